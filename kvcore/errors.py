@@ -1,0 +1,86 @@
+"""Every exception kvcore raises, in one hierarchy.
+
+Each error carries the context a user needs (the call, its arguments, the page or instance)
+and a ``hint``: the next thing to do. Catch ``KvcoreError`` to handle them all.
+
+Physical shortage is *not* an error in the allocator's API (``alloc`` returns ``None``: the
+engine waits or preempts); ``OutOfDeviceMemory`` is raised only by the backend seam, where the
+page allocator turns it into that miss.
+"""
+
+from __future__ import annotations
+
+
+class KvcoreError(Exception):
+    """Base of every kvcore error. ``hint`` says what to do next (may be empty)."""
+
+    def __init__(self, message: str, *, hint: str = "") -> None:
+        self.message = message
+        self.hint = hint
+        super().__init__(f"{message} ({hint})" if hint else message)
+
+
+class BackendUnavailable(KvcoreError):
+    """A VMM backend cannot be used here (library missing, no device, unsupported OS)."""
+
+
+class VmmError(KvcoreError):
+    """A virtual-memory driver call failed. ``call`` names it, ``args`` are its arguments and
+    ``code`` is the driver's result code (name or number)."""
+
+    def __init__(
+        self,
+        call: str,
+        args: dict[str, object],
+        code: object,
+        *,
+        hint: str = "",
+    ) -> None:
+        self.call = call
+        self.args_ = dict(args)
+        self.code = code
+        shown = ", ".join(f"{k}={_fmt(v)}" for k, v in args.items())
+        super().__init__(f"{call}({shown}) failed: {code}", hint=hint)
+
+
+class OutOfDeviceMemory(VmmError):
+    """Creating physical memory failed because the device (or the host backend's configured
+    device size) has none left. The page allocator turns this into an allocation miss."""
+
+
+class InjectedFault(VmmError):
+    """A failure raised on purpose by the fault-injection backend wrapper (tests only)."""
+
+
+class PoolFailed(KvcoreError):
+    """The pool saw an inconsistent state and stopped (fail-stop): every later call raises
+    this. Restart the engine; the per-GPU ledger reclaims what this instance held."""
+
+
+class PageQuarantined(KvcoreError):
+    """A page's rollback failed; the page is quarantined (never reused). Capacity drops by
+    one page; the engine continues."""
+
+
+class GeometryError(KvcoreError, ValueError):
+    """A KV layout cannot be built as asked (e.g. a block would straddle a page). The
+    message names a block or page size that works."""
+
+
+class LedgerError(KvcoreError):
+    """The per-GPU shared ledger is unusable (foreign file, unknown layout version, lock)."""
+
+
+class ChannelError(KvcoreError):
+    """The engine <-> worker channel failed (peer gone, malformed message, timeout)."""
+
+
+class UnsupportedConfiguration(KvcoreError):
+    """Elastic KV was asked for on an engine configuration kvcore does not support; raised
+    at engine start-up, naming the unsupported part."""
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 4096:
+        return hex(value)
+    return repr(value)

@@ -1,0 +1,70 @@
+"""The page-mapping seam: how a page id gets (and loses) physical backing.
+
+A ``PageMapper`` owns the virtual KV tensors of one process (or, through the worker channel,
+of every TP x PP worker of an engine) and applies page transitions to them. The page
+allocator (``kvcore.pages``) decides *which* page changes state and calls a mapper to do it:
+
+* single process: ``kvcore.tensors.LocalPageMapper`` maps into this process's tensors;
+* vLLM with TP/PP: ``kvcore.channel``'s coordinator implements ``PageMapper`` by running the
+  same transition on every worker as one transaction.
+
+Page ids are ``0 .. num_pages-1``. One page id backs the same byte range of every layer's
+K and V buffers (DESIGN.md section 2), so mapping one page id costs ``page_bytes`` of device
+memory on each worker.
+
+Transitions (DESIGN.md section 5):
+
+``map(ids)``
+    unbacked -> mapped. All-or-nothing across every handle, layer and worker: on failure
+    everything this call mapped is rolled back and the error is raised. Raises
+    ``OutOfDeviceMemory`` when physical memory ran out (the caller treats it as a miss),
+    ``PageQuarantined`` when a rollback itself failed (those pages are never handed out
+    again), ``PoolFailed`` when the mapper can no longer vouch for its state.
+``prepare_unmap(ids)``
+    mapped -> unmap prepared. Synchronises the device so no running kernel reads the pages,
+    replaces their mappings with the read-only zero page, keeps the physical handles.
+``commit_unmap(ids)``
+    unmap prepared -> unbacked. Releases (or pools) the handles. Idempotent.
+``abort_unmap(ids)``
+    unmap prepared -> mapped. Restores the original mappings from the kept handles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class PageMapper(Protocol):
+    """Applies page transitions to virtual KV tensors. See the module docstring."""
+
+    @property
+    def num_pages(self) -> int:
+        """Logical pages covered by the virtual tensors."""
+        ...
+
+    @property
+    def page_bytes(self) -> int:
+        """Device bytes one mapped page id costs on one worker (all layers and buffers)."""
+        ...
+
+    def map(self, page_ids: Sequence[int]) -> None:
+        """Back ``page_ids`` with physical memory, all or nothing."""
+        ...
+
+    def prepare_unmap(self, page_ids: Sequence[int]) -> None:
+        """Phase one of unmap: zero-page the mappings, keep the handles."""
+        ...
+
+    def commit_unmap(self, page_ids: Sequence[int]) -> None:
+        """Phase two of unmap: release the kept handles. Idempotent."""
+        ...
+
+    def abort_unmap(self, page_ids: Sequence[int]) -> None:
+        """Undo a prepared unmap: restore the mappings from the kept handles."""
+        ...
+
+    def close(self) -> None:
+        """Unmap and release everything; the tensors stay valid views of the zero page."""
+        ...
