@@ -8,9 +8,10 @@ fails ``nox --list`` and the test suite at once rather than a build an hour late
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+import tomllib
 
 MATRIX_PATH = Path(__file__).with_name("matrix.toml")
 BACKENDS = ("cuda", "rocm", "host")

@@ -43,7 +43,7 @@ def test_unknown_release_is_refused_with_the_pinned_list() -> None:
     ("needle", "replacement", "message"),
     [
         ('status = "untested"', 'status = "works"', "status 'works'"),
-        ("sha256 = \"f4c3", 'sha256 = "XYZ', "64 lowercase hex"),
+        ('sha256 = "f4c3', 'sha256 = "XYZ', "64 lowercase hex"),
         ("rocm = {", "metal = {", "backends.rocm is missing"),
     ],
 )
