@@ -123,14 +123,14 @@ class KVGeometry:
         per_block = row // self.block_bytes
         if self.page_bytes % per_block == 0:
             unit = self.page_bytes // per_block
-            fits = max((d for d in _divisors_up_to(unit, self.block_bytes)), default=0)
+            fits = max(_divisors_up_to(unit, self.block_bytes), default=0)
             if fits:
                 hint += f", or block_bytes={fits} (tiles the {self.page_bytes}-byte page)"
         return hint
 
 
 def _divisors_up_to(n: int, limit: int) -> list[int]:
-    out = []
+    out: list[int] = []
     d = 1
     while d * d <= n:
         if n % d == 0:
