@@ -10,6 +10,8 @@ page allocator turns it into that miss.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class KvcoreError(Exception):
     """Base of every kvcore error. ``hint`` says what to do next (may be empty)."""
@@ -59,7 +61,22 @@ class PoolFailed(KvcoreError):
 
 class PageQuarantined(KvcoreError):
     """A page's rollback failed; the page is quarantined (never reused). Capacity drops by
-    one page; the engine continues."""
+    one page; the engine continues. ``page_ids`` names the quarantined pages (empty when the
+    raiser cannot tell; the page allocator then quarantines every page of the failed call)."""
+
+    def __init__(self, message: str, *, page_ids: Sequence[int] = (), hint: str = "") -> None:
+        self.page_ids = tuple(page_ids)
+        super().__init__(message, hint=hint)
+
+
+class InvalidTransition(KvcoreError, ValueError):
+    """A page or block id was asked for a transition its state forbids (a double free,
+    freeing an id never allocated, releasing a page that is not in use). ``ids`` names the
+    offending ids. The caller's bookkeeping is wrong; kvcore's state is left unchanged."""
+
+    def __init__(self, message: str, *, ids: Sequence[int] = (), hint: str = "") -> None:
+        self.ids = tuple(ids)
+        super().__init__(message, hint=hint)
 
 
 class GeometryError(KvcoreError, ValueError):
