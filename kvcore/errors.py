@@ -92,6 +92,39 @@ class ChannelError(KvcoreError):
     """The engine <-> worker channel failed (peer gone, malformed message, timeout)."""
 
 
+class MalformedMessage(ChannelError):
+    """A channel frame or message failed validation (bad magic, unknown kind, bad field).
+    The connection that carried it is closed; the peer is buggy or not a kvcore peer."""
+
+
+class OversizedMessage(MalformedMessage):
+    """A channel frame announced more bytes than the size cap; its body is not read."""
+
+
+class VersionMismatch(MalformedMessage):
+    """A channel frame carries another schema version: engine and workers run different
+    kvcore releases. Install one kvcore version everywhere."""
+
+
+class PeerRejected(ChannelError):
+    """A channel connection came from a process this side must not trust (another uid, the
+    wrong rank, a second coordinator) and was refused."""
+
+
+class WorkerLost(ChannelError):
+    """A worker stopped answering: its connection closed, broke, or timed out. ``rank``
+    names it."""
+
+    def __init__(self, message: str, *, rank: int, hint: str = "") -> None:
+        self.rank = rank
+        super().__init__(message, hint=hint)
+
+
+class TransactionRefused(ChannelError):
+    """A channel transaction was refused by its state (a prepare after its abort, a commit
+    of an aborted unmap, a map of a page already mapped). Nothing was changed."""
+
+
 class UnsupportedConfiguration(KvcoreError):
     """Elastic KV was asked for on an engine configuration kvcore does not support; raised
     at engine start-up, naming the unsupported part."""
