@@ -88,6 +88,18 @@ class LedgerError(KvcoreError):
     """The per-GPU shared ledger is unusable (foreign file, unknown layout version, lock)."""
 
 
+class LedgerNotFound(LedgerError):
+    """No per-GPU ledger exists yet (no kvcore instance has started on that GPU)."""
+
+
+class UnknownInstance(LedgerError):
+    """No live instance of that name is in the ledger; the message lists the known ones."""
+
+
+class RevisionConflict(LedgerError):
+    """A limit or budget changed since the caller read it (compare-and-set refused)."""
+
+
 class ChannelError(KvcoreError):
     """The engine <-> worker channel failed (peer gone, malformed message, timeout)."""
 
