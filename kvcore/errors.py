@@ -79,6 +79,25 @@ class InvalidTransition(KvcoreError, ValueError):
         super().__init__(message, hint=hint)
 
 
+class ZeroPageWritten(KvcoreError):
+    """Sanity mode found bytes written into the shared zero page: something wrote through an
+    unbacked block (a bug in block bookkeeping). ``offsets`` are the dirty byte offsets in
+    the zero page; ``candidates`` the ``(layer, buffer, block)`` triples the write may have
+    gone through (every unbacked block at one of those offsets)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        offsets: Sequence[int] = (),
+        candidates: Sequence[tuple[int, int, int]] = (),
+        hint: str = "",
+    ) -> None:
+        self.offsets = tuple(offsets)
+        self.candidates = tuple(candidates)
+        super().__init__(message, hint=hint)
+
+
 class GeometryError(KvcoreError, ValueError):
     """A KV layout cannot be built as asked (e.g. a block would straddle a page). The
     message names a block or page size that works."""
