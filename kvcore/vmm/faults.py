@@ -91,7 +91,7 @@ class FaultInjector(VmmBackend):
         self._counts: Counter[tuple[int, str]] = Counter()
         self.live_handles: set[Handle] = set()
         """Handles created through this wrapper and not yet released."""
-        self._mapped: dict[int, int] = {}
+        self._mapped: dict[int, tuple[int, Handle]] = {}
         self.injected = 0
         """How many failures were raised so far."""
 
@@ -150,7 +150,13 @@ class FaultInjector(VmmBackend):
     def mapped_ranges(self) -> list[tuple[int, int]]:
         """``(va, size)`` of every mapping made through this wrapper and not unmapped."""
         with self._lock:
-            return sorted(self._mapped.items())
+            return sorted((va, size) for va, (size, _) in self._mapped.items())
+
+    def mappings(self) -> dict[int, tuple[int, Handle]]:
+        """``va -> (size, handle)`` of every mapping made through this wrapper and not
+        unmapped."""
+        with self._lock:
+            return dict(self._mapped)
 
     # -- the seam ------------------------------------------------------------------------
 
@@ -192,7 +198,7 @@ class FaultInjector(VmmBackend):
             "map",
             {"va": va, "size": size, "handle": int(handle)},
             lambda: self.inner.map(va, size, handle),
-            on_done=lambda: self._mapped.__setitem__(va, size),
+            on_done=lambda: self._mapped.__setitem__(va, (size, handle)),
         )
 
     def set_access(self, va: int, size: int, *, writable: bool = True) -> None:

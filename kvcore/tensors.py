@@ -1,0 +1,708 @@
+"""Virtual KV tensors at stable addresses, and the mapper that backs their pages locally.
+
+``VirtualKVCache(backend, geometry)`` reserves the virtual ranges of one worker's KV cache
+(one per (layer, buffer) for the ``per-layer`` layout, one for ``compound``; see
+``kvcore.geometry``), maps a shared read-only *zero page* at every page slot, and hands out
+per-layer views ``view(layer, buffer, dtype=, block_shape=)`` of shape
+``(num_blocks, *block_shape)`` whose ``data_ptr()`` never changes while the cache lives
+(DESIGN.md invariant 4: CUDA graphs capture these pointers).
+
+The zero page is one granularity-sized physical handle mapped at every granule of every
+unbacked page slot, so a stray read (padding, the null block) returns zeros and costs no
+capacity. A write through an unbacked block is a bug: normally the zero page is read-only and
+the write faults (``SIGSEGV`` on ``host``, an illegal-address error on a GPU). With
+``sanity=True`` the zero page is mapped writable instead, so the write lands, and
+``check_zero_page()`` (run by ``LocalPageMapper`` before every transition) raises
+``ZeroPageWritten`` naming the dirty offsets and the blocks the write may have come through.
+
+``LocalPageMapper(cache)`` implements ``kvcore.mapper.PageMapper`` on this process's cache.
+Per page id it tracks a state::
+
+    unbacked --map--> mapped --prepare_unmap--> prepared --commit_unmap--> unbacked
+                        ^                           |
+                        +--------abort_unmap--------+
+    any failed rollback --> quarantined (never handed out again)
+    unknown state       --> failed mapper (every later call raises PoolFailed)
+
+and per page slot (one per handle) the exact mapping: zero page, nothing, or its handle.
+Every transition of a call is all-or-nothing: on a driver error the slots touched so far are
+moved back along the inverse path. Physical handles come from a bounded pool of handles
+freed by earlier commits before new ones are created.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvcore.errors import (
+    InvalidTransition,
+    KvcoreError,
+    PageQuarantined,
+    PoolFailed,
+    VmmError,
+    ZeroPageWritten,
+)
+from kvcore.geometry import KVGeometry
+
+if TYPE_CHECKING:
+    from kvcore.vmm.base import Handle, VmmBackend
+
+log = logging.getLogger(__name__)
+
+_MAX_REPORTED = 16
+
+
+class VirtualKVCache:
+    """The reserved virtual ranges of one KV cache, their zero page and stable views.
+
+    ``dtype`` is the default element type of ``view``. ``geometry.granularity`` must be the
+    backend's granularity (or a multiple of it). Construction maps the zero page everywhere;
+    ``close()`` unmaps it and frees the ranges (a ``LocalPageMapper`` on the cache must be
+    closed first). Raises ``VmmError`` (nothing left reserved) if the backend refuses.
+    """
+
+    def __init__(
+        self,
+        backend: VmmBackend,
+        geometry: KVGeometry,
+        *,
+        dtype: torch.dtype = torch.uint8,
+        sanity: bool = False,
+    ) -> None:
+        gran = backend.granularity()
+        if geometry.page_bytes % gran:
+            raise KvcoreError(
+                f"page_bytes={geometry.page_bytes} is not a multiple of the {backend.name} "
+                f"backend's granularity {gran}",
+                hint=f"build the KVGeometry with granularity={gran}",
+            )
+        self.backend = backend
+        self.geometry = geometry
+        self.dtype = dtype
+        self.sanity = sanity
+        self.granularity = gran
+        self._closed = False
+        self._bases: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        n_ranges = (
+            geometry.num_layers * geometry.kv_buffers if geometry.layout == "per-layer" else 1
+        )
+        size = geometry.range_bytes
+        self.ranges: tuple[tuple[int, int], ...] = ()
+        """``(va, size)`` of each reserved range: index ``layer * kv_buffers + buffer`` for
+        per-layer, a single range for compound."""
+        self._zero: Handle | None = None
+        self._probe_va = 0
+        self._reserved: list[tuple[int, int]] = []  # everything to free at close
+        reserved = self._reserved
+        try:
+            for _ in range(n_ranges):
+                reserved.append((backend.reserve(size), size))
+            self.ranges = tuple(reserved)
+            self._probe_va = backend.reserve(gran)
+            reserved.append((self._probe_va, gran))
+            self._zero = backend.create(gran)
+            for va, sz in reserved:
+                self._map_zero_range(va, sz)
+        except BaseException:
+            try:
+                self._teardown()
+            except (VmmError, _Broken):
+                log.exception("kvcore: cleanup after a failed VirtualKVCache init failed")
+            raise
+
+    # -- addresses -----------------------------------------------------------------------
+
+    @property
+    def zero_handle(self) -> Handle | None:
+        """The shared zero page's handle (``None`` once closed)."""
+        return self._zero
+
+    @property
+    def num_pages(self) -> int:
+        return self.geometry.num_pages
+
+    def slots(self, page_id: int) -> list[tuple[int, int]]:
+        """``(va, size)`` of each handle slot of ``page_id`` (``handles_per_page`` of them,
+        in range order)."""
+        pb = self.geometry.page_bytes
+        return [(va + page_id * pb, pb) for va, _ in self.ranges]
+
+    def range_index(self, layer: int, buffer: int) -> int:
+        """Which range holds ``(layer, buffer)`` (always 0 for compound)."""
+        g = self.geometry
+        if not (0 <= layer < g.num_layers and 0 <= buffer < g.kv_buffers):
+            raise IndexError(
+                f"(layer={layer}, buffer={buffer}) outside {g.num_layers} layers x "
+                f"{g.kv_buffers} buffers"
+            )
+        return layer * g.kv_buffers + buffer if g.layout == "per-layer" else 0
+
+    def block_address(self, layer: int, buffer: int, block: int) -> int:
+        """Virtual address of ``block``'s bytes in ``(layer, buffer)``."""
+        g = self.geometry
+        va = self.ranges[self.range_index(layer, buffer)][0]
+        if g.layout == "per-layer":
+            return va + block * g.block_bytes
+        return va + block * g.page_block_bytes + (layer * g.kv_buffers + buffer) * g.block_bytes
+
+    # -- views ---------------------------------------------------------------------------
+
+    def view(
+        self,
+        layer: int,
+        buffer: int,
+        dtype: torch.dtype | None = None,
+        block_shape: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """The ``(num_blocks, *block_shape)`` tensor of ``(layer, buffer)``.
+
+        ``block_shape`` defaults to ``(block_bytes // itemsize,)`` and must cover exactly
+        ``block_bytes``. Compound views are strided: consecutive blocks are
+        ``layers * kv_buffers * block_bytes`` apart. The data pointer is fixed for the
+        cache's life; reading an unbacked block gives zeros.
+        """
+        g = self.geometry
+        dtype = dtype or self.dtype
+        item = torch.empty(0, dtype=dtype).element_size()
+        if block_shape is None:
+            if g.block_bytes % item:
+                raise KvcoreError(
+                    f"block_bytes={g.block_bytes} is not a multiple of {dtype}'s size {item}"
+                )
+            block_shape = (g.block_bytes // item,)
+        shape = tuple(int(d) for d in block_shape)
+        if math.prod(shape) * item != g.block_bytes:
+            raise KvcoreError(
+                f"block_shape={shape} of {dtype} is {math.prod(shape) * item} bytes, "
+                f"not block_bytes={g.block_bytes}",
+                hint="make the block shape's element count times the item size equal block_bytes",
+            )
+        self._check_open()
+        index = self.range_index(layer, buffer)
+        base = self._base(index, dtype)
+        inner = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            inner[i] = inner[i + 1] * shape[i + 1]
+        if g.layout == "per-layer":
+            stride, offset = g.block_bytes // item, 0
+        else:
+            stride = g.page_block_bytes // item
+            offset = (layer * g.kv_buffers + buffer) * g.block_bytes // item
+        return base.as_strided((g.num_blocks, *shape), (stride, *inner), offset)
+
+    def _base(self, index: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (index, dtype)
+        base = self._bases.get(key)
+        if base is None:
+            va, size = self.ranges[index]
+            base = self.backend.as_tensor(va, size, dtype)
+            self._bases[key] = base
+        return base
+
+    # -- zero page -----------------------------------------------------------------------
+
+    def map_zero(self, va: int, size: int) -> None:
+        """Map the zero page at every granule of ``[va, va+size)`` (which holds no mapping)
+        and grant read (sanity mode: read-write) access. All or nothing."""
+        self._map_zero_range(va, size)
+
+    def check_zero_page(self, unbacked_pages: Iterable[int] | None = None) -> None:
+        """Raise ``ZeroPageWritten`` if any byte of the zero page is non-zero, naming the
+        offsets and the blocks of ``unbacked_pages`` (default: every page) a write may have
+        come through. In sanity mode the page is zeroed again before raising."""
+        self._check_open()
+        probe = self.backend.as_tensor(self._probe_va, self.granularity, torch.uint8)
+        self.backend.synchronize()
+        dirty = torch.nonzero(probe).flatten()
+        if dirty.numel() == 0:
+            return
+        offsets = [int(x) for x in dirty.cpu().tolist()]
+        if self.sanity:
+            probe.zero_()
+            self.backend.synchronize()
+        pages = range(self.num_pages) if unbacked_pages is None else unbacked_pages
+        candidates = self._candidates(offsets, pages)
+        shown = ", ".join(f"L{ly}/B{k}/block {b}" for ly, k, b in candidates[:_MAX_REPORTED])
+        raise ZeroPageWritten(
+            f"{len(offsets)} byte(s) written into the shared zero page at offsets "
+            f"{_ranges_text(offsets)}; candidate (layer/buffer/block): {shown}"
+            + (" ..." if len(candidates) > _MAX_REPORTED else ""),
+            offsets=offsets,
+            candidates=candidates,
+            hint="a block was written while kvcore had no page mapped under it: check that "
+            "the engine writes only blocks it allocated and has not freed",
+        )
+
+    def _candidates(self, offsets: list[int], pages: Iterable[int]) -> list[tuple[int, int, int]]:
+        """Every ``(layer, buffer, block)`` whose bytes sit at one of ``offsets`` of a zero
+        page granule mapped in one of ``pages`` (at most ``4 * _MAX_REPORTED``)."""
+        g = self.geometry
+        gran = self.granularity
+        unit = math.gcd(gran, g.block_bytes)
+        reps = sorted({off // unit * unit for off in offsets})
+        out: set[tuple[int, int, int]] = set()
+        for page in pages:
+            for i in range(g.page_bytes // gran):
+                for off in reps:
+                    rel = i * gran + off
+                    for r in range(len(self.ranges)):
+                        if g.layout == "per-layer":
+                            block = page * g.blocks_per_page + rel // g.block_bytes
+                            layer, buffer = divmod(r, g.kv_buffers)
+                        else:
+                            block = page * g.blocks_per_page + rel // g.page_block_bytes
+                            row = (rel % g.page_block_bytes) // g.block_bytes
+                            layer, buffer = divmod(row, g.kv_buffers)
+                        if block < g.num_blocks:
+                            out.add((layer, buffer, block))
+                        if len(out) >= 4 * _MAX_REPORTED:
+                            return sorted(out)
+        return sorted(out)
+
+    def _map_zero_range(self, va: int, size: int) -> None:
+        assert self._zero is not None
+        gran = self.granularity
+        done = 0
+        try:
+            for off in range(0, size, gran):
+                self.backend.map(va + off, gran, self._zero)
+                done += gran
+            self.backend.set_access(va, size, writable=self.sanity)
+        except BaseException:
+            if done:
+                # best effort; if this fails too the caller sees the original error and
+                # treats the range's state as unknown
+                try:
+                    self.backend.unmap(va, done)
+                except VmmError as err:
+                    raise _Broken(va, size) from err
+            raise
+
+    # -- life ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unmap the zero page, free the ranges, release the zero handle. Idempotent. The
+        views must not be used afterwards. Raises the first ``VmmError`` after trying
+        everything."""
+        if self._closed:
+            return
+        self._closed = True
+        self._bases.clear()
+        self._teardown()
+
+    def _teardown(self) -> None:
+        errors: list[BaseException] = []
+        for va, size in self._reserved:
+            try:
+                self.backend.unmap(va, size)
+            except VmmError as err:
+                # not one clean tiling of mappings (a failed init or a broken page): take
+                # them down slot by slot so the reservation can still be freed
+                errors.append(err)
+                self._unmap_piecewise(va, size)
+            try:
+                self.backend.free_reservation(va, size)
+            except VmmError as err:
+                errors.append(err)
+        self._reserved.clear()
+        if self._zero is not None:
+            try:
+                self.backend.release(self._zero)
+            except VmmError as err:
+                errors.append(err)
+            self._zero = None
+        if errors:
+            raise errors[0]
+
+    def _unmap_piecewise(self, va: int, size: int) -> None:
+        page, gran = self.geometry.page_bytes, self.granularity
+        off = 0
+        while off < size:
+            step = gran
+            for length in (page, gran) if off % page == 0 and off + page <= size else (gran,):
+                try:
+                    self.backend.unmap(va + off, length)
+                    step = length
+                    break
+                except VmmError:
+                    continue
+            off += step
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KvcoreError("the virtual KV cache is closed")
+
+
+class _Broken(Exception):
+    """A slot's state is unknown after a failed rollback step."""
+
+    def __init__(self, va: int, size: int) -> None:
+        super().__init__(f"slot {va:#x}+{size:#x} is in an unknown state")
+
+
+class PageState(enum.Enum):
+    """Where a page id stands in ``LocalPageMapper``."""
+
+    UNBACKED = "unbacked"
+    MAPPED = "mapped"
+    PREPARED = "prepared"
+    QUARANTINED = "quarantined"
+
+
+class _Slot(enum.Enum):
+    ZERO = "zero"  # the zero page is mapped here
+    EMPTY = "empty"  # nothing mapped (reserved only)
+    BACKED = "backed"  # the page's handle is mapped, read-write
+
+
+@dataclass
+class _Page:
+    state: PageState = PageState.UNBACKED
+    handles: list[Handle] = field(default_factory=list)
+    slots: list[_Slot] = field(default_factory=list)
+
+
+class LocalPageMapper:
+    """``PageMapper`` over one ``VirtualKVCache`` in this process (module docstring).
+
+    ``pool_pages`` bounds the physical handles kept for reuse after ``commit_unmap``
+    (in pages; each page is ``handles_per_page`` handles). Pooled handles hold device memory:
+    ``trim_pool()`` gives them back. Thread-safe; calls are serialised.
+
+    Raises, besides what ``kvcore.mapper`` documents: ``InvalidTransition`` when an id is
+    out of range, repeated, or not in the state the transition needs (nothing changed).
+    ``commit_unmap`` raises the ``VmmError`` of a failed handle release *after* the pages
+    are unbacked (a retry is a no-op; the handle is released again at ``close``).
+    """
+
+    def __init__(self, cache: VirtualKVCache, *, pool_pages: int = 4) -> None:
+        self.cache = cache
+        self.backend = cache.backend
+        self.geometry = cache.geometry
+        self.pool_max = pool_pages * self.geometry.handles_per_page
+        self._pages = [
+            _Page(slots=[_Slot.ZERO] * len(cache.ranges)) for _ in range(cache.num_pages)
+        ]
+        self._pool: list[Handle] = []
+        self._pending_release: list[Handle] = []
+        self._failed: BaseException | None = None
+        self._closed = False
+        self._lock = threading.RLock()
+
+    # -- PageMapper ----------------------------------------------------------------------
+
+    @property
+    def num_pages(self) -> int:
+        return self.geometry.num_pages
+
+    @property
+    def page_bytes(self) -> int:
+        return self.geometry.page_device_bytes
+
+    def map(self, page_ids: Sequence[int]) -> None:
+        with self._lock:
+            self._usable()
+            ids = self._validate("map", page_ids, PageState.UNBACKED)
+            if not ids:
+                return
+            self._sanity()
+            handles = self._take_handles(len(ids) * self.geometry.handles_per_page)
+            hpp = self.geometry.handles_per_page
+            for i, p in enumerate(ids):
+                self._pages[p].handles = handles[i * hpp : (i + 1) * hpp]
+            self._transact(ids, _Slot.BACKED, _Slot.ZERO, PageState.MAPPED, PageState.UNBACKED)
+
+    def prepare_unmap(self, page_ids: Sequence[int]) -> None:
+        with self._lock:
+            self._usable()
+            ids = self._validate("prepare_unmap", page_ids, PageState.MAPPED)
+            if not ids:
+                return
+            self._sanity()
+            self.backend.synchronize()
+            self._transact(ids, _Slot.ZERO, _Slot.BACKED, PageState.PREPARED, PageState.MAPPED)
+
+    def commit_unmap(self, page_ids: Sequence[int]) -> None:
+        with self._lock:
+            self._usable()
+            ids = self._validate(
+                "commit_unmap", page_ids, PageState.PREPARED, also_ok=PageState.UNBACKED
+            )
+            freed: list[Handle] = []
+            for p in ids:
+                page = self._pages[p]
+                if page.state is PageState.PREPARED:
+                    freed.extend(page.handles)
+                    page.handles = []
+                    page.state = PageState.UNBACKED
+            errors = self._give_back(freed)
+            if errors:
+                raise errors[0]
+
+    def abort_unmap(self, page_ids: Sequence[int]) -> None:
+        with self._lock:
+            self._usable()
+            ids = self._validate("abort_unmap", page_ids, PageState.PREPARED)
+            if ids:
+                self._transact(ids, _Slot.BACKED, _Slot.ZERO, PageState.MAPPED, PageState.PREPARED)
+
+    def close(self) -> None:
+        """Move every page back to the zero page and release every handle (pooled,
+        pending and quarantined ones too). Idempotent; later calls raise ``PoolFailed``.
+        Raises the first ``VmmError`` after trying everything."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            errors: list[BaseException] = []
+            handles: list[Handle] = []
+            for p, page in enumerate(self._pages):
+                for i, (va, size) in enumerate(self.cache.slots(p)):
+                    try:
+                        self._move(page, i, va, size, _Slot.ZERO)
+                    except (VmmError, _Broken) as err:
+                        errors.append(err)
+                handles.extend(page.handles)
+                page.handles = []
+                page.state = PageState.UNBACKED
+            handles.extend(self._pool)
+            self._pool.clear()
+            handles.extend(self._pending_release)
+            self._pending_release.clear()
+            for h in handles:
+                try:
+                    self.backend.release(h)
+                except VmmError as err:
+                    errors.append(err)
+            if errors:
+                first = errors[0]
+                raise first if isinstance(first, VmmError) else PoolFailed(str(first))
+
+    # -- introspection -------------------------------------------------------------------
+
+    def state(self, page_id: int) -> PageState:
+        """The state of ``page_id``."""
+        return self._pages[page_id].state
+
+    def stats(self) -> dict[str, int]:
+        """Page counts per state, pooled handles and handles awaiting a release retry."""
+        with self._lock:
+            out = {s.value: 0 for s in PageState}
+            for page in self._pages:
+                out[page.state.value] += 1
+            out["pooled_handles"] = len(self._pool)
+            out["pending_release"] = len(self._pending_release)
+            return out
+
+    @property
+    def failed(self) -> bool:
+        """True once the mapper stopped on an unknown state."""
+        return self._failed is not None
+
+    def trim_pool(self, keep: int = 0) -> None:
+        """Release pooled handles until at most ``keep`` remain (memory back to the
+        driver). Raises the first ``VmmError`` after trying them all."""
+        with self._lock:
+            extra = self._pool[keep:]
+            del self._pool[keep:]
+            errors = self._release_all(extra)
+            if errors:
+                raise errors[0]
+
+    # -- transitions ---------------------------------------------------------------------
+
+    def _transact(
+        self,
+        ids: list[int],
+        target: _Slot,
+        origin: _Slot,
+        done_state: PageState,
+        undone_state: PageState,
+    ) -> None:
+        """Move every slot of ``ids`` to ``target``; on a driver error move the touched
+        slots back to ``origin`` and raise (``PageQuarantined`` if a page could not be
+        moved back). Any other exception fails the mapper."""
+        touched: list[int] = []
+        try:
+            for p in ids:
+                touched.append(p)
+                page = self._pages[p]
+                for i, (va, size) in enumerate(self.cache.slots(p)):
+                    self._move(page, i, va, size, target)
+        except (VmmError, _Broken) as err:
+            bad = self._roll_back(touched, origin, undone_state)
+            if undone_state is PageState.UNBACKED:
+                # handles of pages back on the zero page return to the pool; a quarantined
+                # page keeps its handles until close
+                freed: list[Handle] = []
+                for p in set(ids) - set(bad):
+                    freed.extend(self._pages[p].handles)
+                    self._pages[p].handles = []
+                self._give_back(freed)
+            if bad:
+                raise PageQuarantined(
+                    f"rollback of {_ranges_text(bad)} failed after {err}; quarantined",
+                    page_ids=bad,
+                    hint="capacity drops by these pages; the engine can continue",
+                ) from err
+            if isinstance(err, _Broken) and isinstance(err.__cause__, VmmError):
+                raise err.__cause__ from None  # the slot was put right by the rollback
+            raise
+        except Exception as exc:
+            self._fail(exc)
+            raise PoolFailed(
+                f"unexpected {type(exc).__name__} while moving pages {_ranges_text(ids)}: {exc}",
+                hint="the mapper stopped (fail-stop); restart the engine",
+            ) from exc
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        for p in ids:
+            self._pages[p].state = done_state
+
+    def _roll_back(self, touched: list[int], origin: _Slot, state: PageState) -> list[int]:
+        bad: list[int] = []
+        for p in reversed(touched):
+            page = self._pages[p]
+            try:
+                for i, (va, size) in reversed(list(enumerate(self.cache.slots(p)))):
+                    self._move(page, i, va, size, origin)
+                page.state = state
+            except (VmmError, _Broken) as err:
+                log.error("kvcore: page %d quarantined: rollback failed: %s", p, err)
+                page.state = PageState.QUARANTINED
+                bad.append(p)
+        return sorted(bad)
+
+    def _move(self, page: _Page, i: int, va: int, size: int, target: _Slot) -> None:
+        """Drive slot ``i`` of ``page`` to ``target`` through EMPTY; every step updates the
+        recorded state only once the backend confirmed it."""
+        if page.slots[i] is target:
+            return
+        if page.slots[i] is _Slot.ZERO or page.slots[i] is _Slot.BACKED:
+            self.backend.unmap(va, size)
+        page.slots[i] = _Slot.EMPTY
+        if target is _Slot.ZERO:
+            self.cache.map_zero(va, size)
+        elif target is _Slot.BACKED:
+            handle = page.handles[i]
+            self.backend.map(va, size, handle)
+            try:
+                self.backend.set_access(va, size, writable=True)
+            except VmmError:
+                try:
+                    self.backend.unmap(va, size)
+                except VmmError as err:
+                    raise _Broken(va, size) from err
+                raise
+        page.slots[i] = target
+
+    # -- handles -------------------------------------------------------------------------
+
+    def _take_handles(self, n: int) -> list[Handle]:
+        """``n`` handles of ``page_bytes``: pooled ones first, then new ones. On failure
+        everything taken goes back and the error is raised (``OutOfDeviceMemory``: a
+        miss)."""
+        taken = [self._pool.pop() for _ in range(min(n, len(self._pool)))]
+        try:
+            while len(taken) < n:
+                taken.append(self.backend.create(self.geometry.page_bytes))
+        except VmmError:
+            self._give_back(taken)
+            raise
+        except Exception as exc:
+            self._give_back(taken)
+            self._fail(exc)
+            raise PoolFailed(f"unexpected {type(exc).__name__} in create: {exc}") from exc
+        return taken
+
+    def _give_back(self, handles: list[Handle]) -> list[BaseException]:
+        room = max(0, self.pool_max - len(self._pool))
+        self._pool.extend(handles[:room])
+        retry, self._pending_release = self._pending_release, []
+        return self._release_all(handles[room:] + retry)
+
+    def _release_all(self, handles: list[Handle]) -> list[BaseException]:
+        errors: list[BaseException] = []
+        for h in handles:
+            try:
+                self.backend.release(h)
+            except VmmError as err:
+                self._pending_release.append(h)
+                errors.append(err)
+        return errors
+
+    # -- guards --------------------------------------------------------------------------
+
+    def _validate(
+        self,
+        call: str,
+        page_ids: Sequence[int],
+        need: PageState,
+        also_ok: PageState | None = None,
+    ) -> list[int]:
+        ids = [int(p) for p in page_ids]
+        if len(set(ids)) != len(ids):
+            dup = sorted({p for p in ids if ids.count(p) > 1})
+            raise InvalidTransition(f"{call}: page ids repeated: {dup}", ids=dup)
+        out_of_range = [p for p in ids if not 0 <= p < self.num_pages]
+        if out_of_range:
+            raise InvalidTransition(
+                f"{call}: page ids {out_of_range} outside 0..{self.num_pages - 1}",
+                ids=out_of_range,
+            )
+        wrong = [p for p in ids if self._pages[p].state not in (need, also_ok)]
+        if wrong:
+            states = {p: self._pages[p].state.value for p in wrong[:_MAX_REPORTED]}
+            raise InvalidTransition(
+                f"{call} needs pages in state {need.value!r}; got {states}",
+                ids=wrong,
+                hint="quarantined pages are never handed out again"
+                if any(self._pages[p].state is PageState.QUARANTINED for p in wrong)
+                else "",
+            )
+        return ids
+
+    def _usable(self) -> None:
+        if self._closed:
+            raise PoolFailed("the page mapper is closed")
+        if self._failed is not None:
+            raise PoolFailed(
+                f"the page mapper stopped after {type(self._failed).__name__}: {self._failed}",
+                hint="restart the engine; the per-GPU ledger reclaims what it held",
+            ) from self._failed
+
+    def _fail(self, exc: BaseException) -> None:
+        log.critical("kvcore: page mapper failed (fail-stop): %r", exc)
+        self._failed = exc
+
+    def _sanity(self) -> None:
+        if self.cache.sanity:
+            self.cache.check_zero_page(self._unbacked())
+
+    def _unbacked(self) -> list[int]:
+        return [p for p, page in enumerate(self._pages) if _Slot.ZERO in page.slots]
+
+
+def _ranges_text(values: Sequence[int]) -> str:
+    """``[3, 4, 5, 9]`` -> ``'3-5, 9'`` (first few runs only)."""
+    runs: list[str] = []
+    vals = sorted(values)
+    i = 0
+    while i < len(vals) and len(runs) < _MAX_REPORTED:
+        j = i
+        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
+            j += 1
+        runs.append(str(vals[i]) if i == j else f"{vals[i]}-{vals[j]}")
+        i = j + 1
+    if i < len(vals):
+        runs.append("...")
+    return ", ".join(runs)
