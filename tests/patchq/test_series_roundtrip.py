@@ -1,0 +1,160 @@
+"""Materialize a fork from a pinned release, export its commits, re-apply, check."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from patchq import gitcmd
+from patchq.check import check_all, check_release
+from patchq.errors import ExportMismatch, ForkError, SeriesError
+from patchq.export import export
+from patchq.fork import UPSTREAM_REF, base_ref, materialize
+from patchq.series import read
+from patchq.workspace import Workspace
+from tests.patchq.conftest import PATCHED_LINE, commit_patch, release_sources
+
+
+def _seam_patches(fork: Path) -> None:
+    commit_patch(
+        fork,
+        "toyeng/core.py",
+        PATCHED_LINE,
+        "        taken = self.allocator.take(n)  # kvcore seam\n",
+        "core: ask an allocator for new blocks",
+    )
+    commit_patch(fork, "toyeng/kvcore_hook.py", "", "HOOK = None\n", "add the kvcore hook module")
+
+
+def test_fork_base_is_the_wheels_package_sources_with_a_reproducible_id(ws: Workspace) -> None:
+    rel = ws.release("toyeng", "1.0")
+    fork = materialize(ws, rel)
+    assert fork == ws.root / "forks/toyeng/1.0.0"
+    tracked = set(gitcmd.out(fork, "ls-files").splitlines())
+    # Sources only: no compiled extension, no binary data, no dist-info or .data dir.
+    assert tracked == set(release_sources("1.0.0"))
+    for name, text in release_sources("1.0.0").items():
+        assert (fork / name).read_text() == text
+    base = gitcmd.out(fork, "rev-parse", UPSTREAM_REF)
+    assert gitcmd.out(fork, "rev-parse", base_ref("1.0.0")) == base
+    assert gitcmd.out(fork, "rev-parse", "HEAD") == base
+    again = materialize(ws, rel, dest=ws.root / "elsewhere")
+    assert gitcmd.out(again, "rev-parse", "HEAD") == base
+
+
+def test_export_then_materialize_round_trips_byte_for_byte(ws: Workspace) -> None:
+    rel = ws.release("toyeng", "1.0.0")
+    fork = materialize(ws, rel)
+    _seam_patches(fork)
+    head = gitcmd.out(fork, "rev-parse", "HEAD")
+    series_dir = export(ws, rel)
+    series = read(series_dir)
+    assert series.patches == (
+        "0001-core-ask-an-allocator-for-new-blocks.patch",
+        "0002-add-the-kvcore-hook-module.patch",
+    )
+    assert series.build == 1
+    first = series.paths()[0].read_text()
+    assert first.startswith("From 0000000000000000000000000000000000000000 ")
+    assert "Subject: [PATCH] core: ask an allocator" in first
+    assert "index " in first and " | " not in first  # full index, no diffstat
+    assert not first.rstrip().endswith(gitcmd.out(fork, "version").split()[-1])  # no signature
+    committed = {p.name: p.read_bytes() for p in series_dir.iterdir()}
+
+    refork = materialize(ws, rel, force=True)
+    # Same patches, same fixed committer: the same commits.
+    assert gitcmd.out(refork, "rev-parse", "HEAD") == head
+    export(ws, rel)
+    assert {p.name: p.read_bytes() for p in series_dir.iterdir()} == committed
+    assert check_release(ws, rel) is True
+
+
+def test_export_bumps_the_build_number_only_when_patches_change(ws: Workspace) -> None:
+    rel = ws.release("toyeng", "1.0.0")
+    fork = materialize(ws, rel)
+    _seam_patches(fork)
+    assert read(export(ws, rel)).build == 1
+    assert read(export(ws, rel)).build == 1
+    commit_patch(fork, "toyeng/util.py", "max(lo", "max(lo ", "util: spacing")
+    assert read(export(ws, rel)).build == 2
+
+
+def test_export_refuses_a_patch_without_trailers_and_writes_nothing(ws: Workspace) -> None:
+    rel = ws.release("toyeng", "1.0.0")
+    fork = materialize(ws, rel)
+    _seam_patches(fork)
+    export(ws, rel)
+    before = {p.name: p.read_bytes() for p in ws.series_dir(rel).iterdir()}
+    commit_patch(fork, "toyeng/util.py", "max(lo", "max(lo ", "util: no reasons", trailers=False)
+    with pytest.raises(SeriesError, match="lacks Why:, Upstream:, Drop-when:") as err:
+        export(ws, rel)
+    assert err.value.patch == "0003-util-no-reasons.patch"
+    assert "git commit --amend" in err.value.hint
+    assert {p.name: p.read_bytes() for p in ws.series_dir(rel).iterdir()} == before
+
+
+def test_export_refuses_uncommitted_edits(ws: Workspace) -> None:
+    rel = ws.release("toyeng", "1.0.0")
+    fork = materialize(ws, rel)
+    (fork / "toyeng/util.py").write_text("edited\n")
+    with pytest.raises(ForkError, match="not committed"):
+        export(ws, rel)
+    assert not ws.series_dir(rel).exists()
+
+
+def test_materialize_refuses_to_overwrite_a_fork(ws: Workspace) -> None:
+    rel = ws.release("toyeng", "1.0.0")
+    materialize(ws, rel)
+    with pytest.raises(ForkError, match="exists already") as err:
+        materialize(ws, rel)
+    assert "python -m patchq export toyeng 1.0.0" in err.value.hint
+
+
+def test_check_says_there_is_nothing_to_check_without_a_series(ws: Workspace) -> None:
+    assert check_all(ws) == {"toyeng 1.0.0": False}
+
+
+def test_check_refuses_a_hand_edited_patch_that_applies_at_an_offset(ws: Workspace) -> None:
+    rel = ws.release("toyeng", "1.0.0")
+    fork = materialize(ws, rel)
+    _seam_patches(fork)
+    path = export(ws, rel) / "0001-core-ask-an-allocator-for-new-blocks.patch"
+    text = path.read_text()
+    header = next(line for line in text.splitlines() if line.startswith("@@ "))
+    old_start = header.split()[1]  # "-7,7"
+    line_no = int(old_start[1:].split(",")[0])
+    shifted = header.replace(f"-{line_no},", f"-{line_no + 2},").replace(
+        f"+{line_no},", f"+{line_no + 2},"
+    )
+    path.write_text(text.replace(header, shifted))
+    with pytest.raises(ExportMismatch) as err:
+        check_release(ws, rel)
+    assert err.value.patch == path.name
+    assert "python -m patchq materialize toyeng 1.0.0 --force" in err.value.hint
+
+
+def test_check_refuses_a_series_naming_a_missing_or_omitting_a_patch(ws: Workspace) -> None:
+    rel = ws.release("toyeng", "1.0.0")
+    fork = materialize(ws, rel)
+    _seam_patches(fork)
+    directory = export(ws, rel)
+    (directory / "0002-add-the-kvcore-hook-module.patch").rename(directory / "stray.patch")
+    with pytest.raises(SeriesError, match="does not exist"):
+        check_release(ws, rel)
+    series = (directory / "series").read_text()
+    (directory / "series").write_text(series.replace("0002-add-the-kvcore-hook-module", "stray"))
+    (directory / "extra.patch").write_text("x")
+    with pytest.raises(SeriesError, match=r"does not list: extra\.patch"):
+        check_release(ws, rel)
+
+
+def test_patch_files_never_contain_compiled_members(ws: Workspace) -> None:
+    rel = ws.release("toyeng", "1.0.0")
+    wheel = ws.cache.fetch(rel, "wheel", "3.11")
+    with zipfile.ZipFile(wheel) as zf:
+        assert "toyeng/_native.abi3.so" in zf.namelist()
+    fork = materialize(ws, rel)
+    assert not (fork / "toyeng/_native.abi3.so").exists()
+    assert not (fork / "toyeng/weights.bin").exists()
