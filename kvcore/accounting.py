@@ -62,6 +62,11 @@ class UnlimitedGate:
     def reserve_target(self, wanted: int) -> int:
         return wanted
 
+    def headroom(self) -> int | None:
+        """Bytes ``try_acquire`` would still admit; ``None``: no limit. Optional beyond the
+        ``MemoryGate`` protocol: ``PageAllocator.available()`` uses it where a gate has it."""
+        return None
+
 
 class BudgetGate(UnlimitedGate):
     """A fixed byte budget for one process (tests, benchmarks, a lone engine with a cap)."""
@@ -69,6 +74,10 @@ class BudgetGate(UnlimitedGate):
     def __init__(self, limit: int) -> None:
         super().__init__()
         self.limit = limit
+
+    def headroom(self) -> int | None:
+        with self._lock:
+            return max(self.limit - self.held, 0)
 
     def try_acquire(self, nbytes: int) -> bool:
         with self._lock:
