@@ -1,8 +1,4 @@
-"""Backend fixtures shared by the VMM and virtual-tensor tests.
-
-``backend`` is parametrized over every backend: ``host`` always runs; ``cuda`` is marked
-``gpu`` and skips without a GPU (see ``tests/conftest.py``).
-"""
+"""The ``backend`` fixture: every VMM backend (see ``tests/vmm_backends.py``)."""
 
 from __future__ import annotations
 
@@ -10,21 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvcore.vmm import VmmBackend, open_backend
-
-HOST_DEVICE_BYTES = 64 << 20
-
-BACKEND_PARAMS = [
-    pytest.param("host", id="host"),
-    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
-]
-
-
-def make_backend(name: str) -> VmmBackend:
-    """A fresh backend; the host one gets a small device so tests can exhaust it."""
-    if name == "host":
-        return open_backend("host", device_bytes=HOST_DEVICE_BYTES)
-    return open_backend(name)
+from kvcore.vmm import VmmBackend
+from tests.vmm_backends import BACKEND_PARAMS, make_backend
 
 
 @pytest.fixture(params=BACKEND_PARAMS)
