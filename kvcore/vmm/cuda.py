@@ -1,0 +1,323 @@
+"""The ``cuda`` backend: CUDA virtual memory management through cuda-python's driver API.
+
+Every primitive is one driver call from ``cuda.bindings.driver`` (whose functions return a
+tuple ``(CUresult, *values)``); every result is checked, and a failure raises ``VmmError``
+naming the call, its arguments and the ``CUresult`` name (``OutOfDeviceMemory`` for
+``CUDA_ERROR_OUT_OF_MEMORY`` from ``cuMemCreate``).
+
+Context: the backend retains the device's *primary* context (the one torch's runtime uses)
+and makes it current on whichever thread calls it, once per thread, so the page allocator's
+refill thread can call it as well as the scheduler thread.
+
+Physical memory is pinned device memory; the POSIX file-descriptor handle type is requested
+where the device supports it (so handles could be exported later). ``set_access(...,
+writable=False)`` asks for ``CU_MEM_ACCESS_FLAGS_PROT_READ``; should a driver refuse
+read-only access to device memory, the backend falls back to read-write once, logs it, and
+reports it in ``read_only_supported`` (stray writes then land in the zero page, which the
+virtual cache's sanity mode detects).
+
+Needs ``pip install 'kvcore[cuda]'`` (cuda-python); importing this module without it raises
+``BackendUnavailable``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from kvcore.errors import BackendUnavailable, OutOfDeviceMemory, VmmError
+from kvcore.vmm.base import Handle, MemInfo, VmmBackend
+
+try:
+    from cuda.bindings import driver as _drv
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise BackendUnavailable(
+        "the cuda VMM backend needs cuda-python (cuda.bindings.driver)",
+        hint="pip install 'kvcore[cuda]'",
+    ) from exc
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+_SUCCESS = _drv.CUresult.CUDA_SUCCESS
+_OOM = _drv.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+_REFUSED = frozenset(
+    {_drv.CUresult.CUDA_ERROR_INVALID_VALUE, _drv.CUresult.CUDA_ERROR_NOT_SUPPORTED}
+)
+
+
+def _code_name(err: Any) -> str:
+    name = getattr(err, "name", None)
+    if isinstance(name, str):
+        return name
+    try:  # pragma: no cover - older bindings without enum names
+        res, text = _drv.cuGetErrorName(err)
+        if res == _SUCCESS:
+            return text.decode() if isinstance(text, bytes) else str(text)
+    except Exception:
+        pass
+    return str(err)
+
+
+def _check(call: str, args: dict[str, object], result: Any) -> Any:
+    """Unpack ``(CUresult, *values)``: raise on failure, return the value(s)."""
+    if isinstance(result, tuple):
+        err, values = result[0], result[1:]
+    else:  # pragma: no cover - defensive: a bare CUresult
+        err, values = result, ()
+    if err != _SUCCESS:
+        cls = OutOfDeviceMemory if err == _OOM and call == "cuMemCreate" else VmmError
+        raise cls(call, args, _code_name(err))
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+class CudaBackend(VmmBackend):
+    """CUDA VMM on device ordinal ``device``. ``granularity="recommended"`` (default) or
+    ``"minimum"`` picks which driver granularity sizes are multiples of."""
+
+    name = "cuda"
+
+    def __init__(self, device: int = 0, *, granularity: str = "recommended") -> None:
+        if granularity not in ("recommended", "minimum"):
+            raise VmmError(
+                "CudaBackend",
+                {"granularity": granularity},
+                "invalid option",
+                hint="use 'recommended' or 'minimum'",
+            )
+        self.device = device
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._handles: dict[int, Any] = {}
+        self._closed = False
+        try:
+            _check("cuInit", {"flags": 0}, _drv.cuInit(0))
+        except Exception as exc:  # no driver library, no device, driver too old
+            raise BackendUnavailable(
+                f"the CUDA driver cannot be initialised: {exc}",
+                hint="check that an NVIDIA GPU and driver are visible (nvidia-smi), or use the "
+                "host backend",
+            ) from exc
+        self._dev = _check("cuDeviceGet", {"ordinal": device}, _drv.cuDeviceGet(device))
+        self._ctx = _check(
+            "cuDevicePrimaryCtxRetain", {"device": device}, _drv.cuDevicePrimaryCtxRetain(self._dev)
+        )
+        self._make_current()
+        self._prop = self._allocation_prop()
+        flags = _drv.CUmemAllocationGranularity_flags
+        self.min_granularity = int(
+            _check(
+                "cuMemGetAllocationGranularity",
+                {"option": "minimum"},
+                _drv.cuMemGetAllocationGranularity(
+                    self._prop, flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+                ),
+            )
+        )
+        self.recommended_granularity = int(
+            _check(
+                "cuMemGetAllocationGranularity",
+                {"option": "recommended"},
+                _drv.cuMemGetAllocationGranularity(
+                    self._prop, flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+                ),
+            )
+        )
+        self._granularity = (
+            self.recommended_granularity if granularity == "recommended" else self.min_granularity
+        )
+        self.read_only_supported = True
+        """False once the driver refused read-only access (see the module docstring)."""
+        self._uuid = self._read_uuid()
+
+    # -- facts ---------------------------------------------------------------------------
+
+    def granularity(self) -> int:
+        return self._granularity
+
+    def device_uuid(self) -> str:
+        return self._uuid
+
+    def mem_info(self) -> MemInfo:
+        self._make_current()
+        free, total = _check("cuMemGetInfo", {}, _drv.cuMemGetInfo())
+        return MemInfo(free=int(free), total=int(total))
+
+    # -- virtual address space -----------------------------------------------------------
+
+    def reserve(self, size: int) -> int:
+        self._make_current()
+        ptr = _check(
+            "cuMemAddressReserve",
+            {"size": size, "alignment": self._granularity},
+            _drv.cuMemAddressReserve(size, self._granularity, 0, 0),
+        )
+        return int(ptr)
+
+    def free_reservation(self, va: int, size: int) -> None:
+        self._make_current()
+        _check("cuMemAddressFree", {"va": va, "size": size}, _drv.cuMemAddressFree(va, size))
+
+    # -- physical memory -----------------------------------------------------------------
+
+    def create(self, size: int) -> Handle:
+        self._make_current()
+        handle = _check(
+            "cuMemCreate",
+            {"size": size, "device": self.device},
+            _drv.cuMemCreate(size, self._prop, 0),
+        )
+        key = int(handle)
+        with self._lock:
+            self._handles[key] = handle
+        return Handle(key)
+
+    def release(self, handle: Handle) -> None:
+        self._make_current()
+        obj = self._handle("cuMemRelease", handle)
+        _check("cuMemRelease", {"handle": int(handle)}, _drv.cuMemRelease(obj))
+        with self._lock:
+            self._handles.pop(int(handle), None)
+
+    # -- mappings ------------------------------------------------------------------------
+
+    def map(self, va: int, size: int, handle: Handle) -> None:
+        self._make_current()
+        obj = self._handle("cuMemMap", handle)
+        _check(
+            "cuMemMap",
+            {"va": va, "size": size, "offset": 0, "handle": int(handle)},
+            _drv.cuMemMap(va, size, 0, obj, 0),
+        )
+
+    def set_access(self, va: int, size: int, *, writable: bool = True) -> None:
+        self._make_current()
+        flags = _drv.CUmemAccess_flags
+        want_rw = writable or not self.read_only_supported
+        rw, ro = flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE, flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+        desc = self._access_desc(rw if want_rw else ro)
+        args: dict[str, object] = {"va": va, "size": size, "writable": want_rw}
+        result = _drv.cuMemSetAccess(va, size, [desc], 1)
+        if not want_rw and result[0] in _REFUSED:
+            log.warning(
+                "kvcore cuda: the driver refused read-only access (%s); mapping the zero page "
+                "read-write instead (use sanity mode to catch stray writes)",
+                _code_name(result[0]),
+            )
+            self.read_only_supported = False
+            desc = self._access_desc(rw)
+            args["writable"] = True
+            result = _drv.cuMemSetAccess(va, size, [desc], 1)
+        _check("cuMemSetAccess", args, result)
+
+    def unmap(self, va: int, size: int) -> None:
+        self._make_current()
+        _check("cuMemUnmap", {"va": va, "size": size}, _drv.cuMemUnmap(va, size))
+
+    def synchronize(self) -> None:
+        self._make_current()
+        _check("cuCtxSynchronize", {}, _drv.cuCtxSynchronize())
+
+    def as_tensor(self, va: int, size: int, dtype: torch.dtype) -> torch.Tensor:
+        import torch
+
+        self._make_current()
+        raw = torch.as_tensor(_CudaArray(va, size), device=f"cuda:{self.device}")
+        return raw.view(dtype)
+
+    def close(self) -> None:
+        """Release the handles this backend still tracks and the primary context. Mappings
+        and reservations belong to their owners (``VirtualKVCache.close``). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            handles = list(self._handles.items())
+            self._handles.clear()
+        self._make_current()
+        for key, obj in handles:
+            result = _drv.cuMemRelease(obj)
+            if result[0] != _SUCCESS:
+                log.warning(
+                    "kvcore cuda: cuMemRelease(%#x) at close: %s", key, _code_name(result[0])
+                )
+        _drv.cuDevicePrimaryCtxRelease(self._dev)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _make_current(self) -> None:
+        if getattr(self._local, "current", False):
+            return
+        _check("cuCtxSetCurrent", {"device": self.device}, _drv.cuCtxSetCurrent(self._ctx))
+        self._local.current = True
+
+    def _handle(self, call: str, handle: Handle) -> Any:
+        with self._lock:
+            obj = self._handles.get(int(handle))
+        if obj is None:
+            raise VmmError(
+                call,
+                {"handle": int(handle)},
+                "CUDA_ERROR_INVALID_VALUE",
+                hint="unknown or released handle",
+            )
+        return obj
+
+    def _location(self) -> Any:
+        loc = _drv.CUmemLocation()
+        loc.type = _drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        loc.id = self.device
+        return loc
+
+    def _access_desc(self, flags: Any) -> Any:
+        desc = _drv.CUmemAccessDesc()
+        desc.location = self._location()
+        desc.flags = flags
+        return desc
+
+    def _allocation_prop(self) -> Any:
+        prop = _drv.CUmemAllocationProp()
+        prop.type = _drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location = self._location()
+        attr = (
+            _drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
+        )
+        supported = _check(
+            "cuDeviceGetAttribute",
+            {"attribute": "HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED", "device": self.device},
+            _drv.cuDeviceGetAttribute(attr, self._dev),
+        )
+        handle_types = _drv.CUmemAllocationHandleType
+        prop.requestedHandleTypes = (
+            handle_types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            if supported
+            else handle_types.CU_MEM_HANDLE_TYPE_NONE
+        )
+        return prop
+
+    def _read_uuid(self) -> str:
+        get = getattr(_drv, "cuDeviceGetUuid_v2", None) or _drv.cuDeviceGetUuid
+        raw = _check("cuDeviceGetUuid", {"device": self.device}, get(self._dev)).bytes
+        if isinstance(raw, str):  # pragma: no cover - bindings that hand back a str
+            raw = raw.encode("latin-1")
+        return f"GPU-{uuid.UUID(bytes=bytes(raw[:16]))}"
+
+
+class _CudaArray:
+    """``__cuda_array_interface__`` (v3) of ``size`` bytes at ``va``: what
+    ``torch.as_tensor`` wraps without a copy."""
+
+    def __init__(self, va: int, size: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (size,),
+            "typestr": "|u1",
+            "data": (va, False),
+            "strides": None,
+            "version": 3,
+        }
