@@ -1,0 +1,308 @@
+"""The block ledger: which engine block ids are allocated, and on which pages they sit.
+
+``BlockLedger`` is the KV cache manager an engine's allocator seam calls (vLLM's block pool,
+SGLang's paged token allocator). It hands out block ids, places them page-aware so memory
+stays dense, and gives a page back to its ``kvcore.pages.PageAllocator`` as soon as every
+block on it is free: that is when kvcore can return memory to the driver.
+
+Meanings (DESIGN.md section 2): a block id is *allocated* from ``alloc`` until ``free``. An
+engine must only ``free`` a block once no metadata references its contents (a prefix-cached
+block stays allocated here until the engine evicts it), which is what makes invariant 1
+hold: a page is released only when none of its blocks is allocated.
+
+Placement. ``alloc`` fills partly used pages first, fullest first, so sparse pages drain and
+can be unmapped; only then does it take fresh pages from the page allocator.
+``eviction_order`` is the matching hint for the engine's eviction: among the cached blocks it
+may evict, those whose eviction empties a whole page come first.
+
+Cost. ``alloc(n)`` and ``free(ids)`` are O(n) plus O(pages touched), with no per-block
+objects: per-page free stacks of ints, a ``bytearray`` of block states, and buckets of
+partly used pages indexed by their free count (a bit mask finds the fullest in O(1)).
+``benchmarks/ledger_alloc.py`` measures it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable, Iterable, Sequence
+
+from kvcore.errors import GeometryError, InvalidTransition, PoolFailed
+from kvcore.geometry import KVGeometry
+from kvcore.pages import PageAllocator
+
+__all__ = ["BlockLedger"]
+
+_FREE = 0
+_ALLOCATED = 1
+_RESERVED = 2  # permanently allocated at construction (e.g. vLLM's null block)
+
+
+class BlockLedger:
+    """Block ids ``0 .. geometry.num_blocks-1`` over the pages of ``pages``.
+
+    ``reserved_blocks`` are allocated for good at construction (vLLM's null block 0): their
+    pages are acquired (mapped) at once and never released, and ``free`` refuses them.
+    Raises ``GeometryError`` when ``pages`` covers fewer pages than ``geometry`` needs,
+    ``InvalidTransition`` for a reserved id outside the geometry, ``PoolFailed`` when the
+    reserved blocks' pages cannot be mapped. Thread-safe (one lock per call).
+    """
+
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        pages: PageAllocator,
+        reserved_blocks: Iterable[int] = (),
+    ) -> None:
+        if pages.num_pages < geometry.num_pages:
+            raise GeometryError(
+                f"block ledger: the page allocator covers {pages.num_pages} pages, the "
+                f"geometry needs {geometry.num_pages}",
+                hint="build the mapper and the ledger from the same KVGeometry",
+            )
+        self._geometry = geometry
+        self._pages = pages
+        self._bpp = bpp = geometry.blocks_per_page
+        self._num_blocks = nb = geometry.num_blocks
+        num_pages = geometry.num_pages
+        self._state = bytearray(nb)
+        # free block ids of each page this ledger holds; None for pages it does not hold
+        self._stacks: list[list[int] | None] = [None] * num_pages
+        self._capacity = [len(geometry.blocks_of(p)) for p in range(num_pages)]
+        # partly used pages by free count f (1 <= f < capacity); bit f of _nonempty is set
+        # while _buckets[f] holds a page
+        self._buckets: list[dict[int, None]] = [{} for _ in range(bpp + 1)]
+        self._nonempty = 0
+        self._free_slots = 0  # free blocks on held pages
+        self._used = 0  # allocated blocks, reserved ones included
+        self._lock = threading.Lock()
+
+        reserved = sorted(set(reserved_blocks))
+        bad = [b for b in reserved if not 0 <= b < nb]
+        if bad:
+            raise InvalidTransition(
+                f"block ledger: reserved blocks {bad} are outside 0..{nb - 1}", ids=bad
+            )
+        held = sorted({b // bpp for b in reserved})
+        if held and not pages.acquire_ids(held):
+            raise PoolFailed(
+                f"block ledger: cannot map pages {held} for the reserved blocks {reserved}",
+                hint="free device memory or raise the instance's limit, then restart",
+            )
+        for b in reserved:
+            self._state[b] = _RESERVED
+        self._used = len(reserved)
+        for p in held:
+            stack = [b for b in reversed(geometry.blocks_of(p)) if self._state[b] == _FREE]
+            self._stacks[p] = stack
+            self._free_slots += len(stack)
+            if stack:
+                self._bucket_add(p, len(stack))
+
+    # ------------------------------------------------------------------ public seam
+
+    @property
+    def geometry(self) -> KVGeometry:
+        return self._geometry
+
+    @property
+    def pages(self) -> PageAllocator:
+        """The page allocator this ledger draws from."""
+        return self._pages
+
+    def alloc(self, n: int) -> list[int] | None:
+        """Allocate ``n`` block ids, all or nothing.
+
+        Fills partly used pages first (fullest first), then takes fresh pages from the page
+        allocator. Returns ``None`` on a physical miss (the page allocator could not map
+        enough pages), with nothing allocated. Raises ``PoolFailed`` once the page allocator
+        has failed.
+        """
+        if n <= 0:
+            if n == 0:
+                return []
+            raise ValueError(f"block ledger: cannot allocate {n} blocks")
+        with self._lock:
+            fresh: list[int] = []
+            if n > self._free_slots:
+                fresh = self._acquire_pages(n - self._free_slots) or []
+                if not fresh:
+                    return None
+            out: list[int] = []
+            state = self._state
+            stacks = self._stacks
+            buckets = self._buckets
+            remaining = n
+            while remaining:
+                mask = self._nonempty
+                if mask:  # the fullest partly used page
+                    f = (mask & -mask).bit_length() - 1
+                    bucket = buckets[f]
+                    p = bucket.popitem()[0]
+                    if not bucket:
+                        self._nonempty = mask & ~(1 << f)
+                    stack = stacks[p]
+                    assert stack is not None
+                else:
+                    p = fresh.pop()
+                    stack = list(reversed(self._geometry.blocks_of(p)))
+                    stacks[p] = stack
+                    self._free_slots += len(stack)
+                take = min(remaining, len(stack))
+                cut = len(stack) - take
+                got = stack[cut:]
+                del stack[cut:]
+                for b in got:
+                    state[b] = _ALLOCATED
+                out += got
+                remaining -= take
+                if stack:
+                    self._bucket_add(p, len(stack))
+            self._free_slots -= n
+            self._used += n
+            if fresh:  # over-covered by a short last page of the geometry: give it back
+                self._pages.release(fresh)
+            return out
+
+    def free(self, block_ids: Sequence[int], fence: Hashable | None = None) -> None:
+        """Free allocated block ids. A page whose blocks are now all free goes back to the
+        page allocator (behind ``fence`` when given: it stays mapped until
+        ``pages.retire(fence)``). Raises ``InvalidTransition`` naming the id, with nothing
+        changed, for a double free, an id never allocated, a reserved id or one out of
+        range."""
+        with self._lock:
+            state = self._state
+            nb = self._num_blocks
+            for i, b in enumerate(block_ids):
+                if not 0 <= b < nb or state[b] != _ALLOCATED:
+                    reason = self._why_not_freeable(b, block_ids[:i])
+                    for done in block_ids[:i]:
+                        state[done] = _ALLOCATED
+                    raise InvalidTransition(
+                        f"block ledger: cannot free block {b}: {reason}",
+                        ids=(b,),
+                        hint="free only ids alloc() returned, once each",
+                    )
+                state[b] = _FREE
+            bpp = self._bpp
+            stacks = self._stacks
+            before: dict[int, int] = {}  # touched page -> its free count before this call
+            for b in block_ids:
+                p = b // bpp
+                stack = stacks[p]
+                assert stack is not None
+                if p not in before:
+                    before[p] = len(stack)
+                stack.append(b)
+            n = len(block_ids)
+            self._used -= n
+            self._free_slots += n
+            emptied: list[int] = []
+            capacity = self._capacity
+            for p, was in before.items():
+                stack = stacks[p]
+                assert stack is not None
+                if was:
+                    self._bucket_remove(p, was)
+                now = len(stack)
+                if now == capacity[p]:
+                    stacks[p] = None
+                    self._free_slots -= now
+                    emptied.append(p)
+                else:
+                    self._bucket_add(p, now)
+            if emptied:
+                self._pages.release(emptied, fence)
+
+    def available(self) -> int:
+        """Blocks ``alloc`` could hand out now: free blocks on held pages plus the blocks of
+        the pages the page allocator could still give (an upper bound when the device itself
+        runs short)."""
+        with self._lock:
+            free_slots = self._free_slots
+            unheld = self._num_blocks - self._used - free_slots
+        return free_slots + min(self._pages.available() * self._bpp, unheld)
+
+    def used(self) -> int:
+        """Allocated blocks, reserved ones included."""
+        return self._used
+
+    def page_of(self, block_id: int) -> int:
+        """The page id backing ``block_id``."""
+        return block_id // self._bpp
+
+    def is_allocated(self, block_id: int) -> bool:
+        """Whether ``block_id`` is allocated (reserved blocks are)."""
+        return self._state[block_id] != _FREE
+
+    def eviction_order(self, candidates: Iterable[int]) -> list[int]:
+        """Reorder evictable block ids (allocated, cached, unreferenced, in the engine's LRU
+        order) so blocks whose eviction empties a whole page come first; stable within both
+        groups. A page empties when every allocated block on it is a candidate. Ids that are
+        not allocated here go to the second group."""
+        ordered = list(candidates)
+        with self._lock:
+            state = self._state
+            bpp = self._bpp
+            nb = self._num_blocks
+            counts: dict[int, int] = {}
+            for b in dict.fromkeys(ordered):
+                if 0 <= b < nb and state[b] == _ALLOCATED:
+                    p = b // bpp
+                    counts[p] = counts.get(p, 0) + 1
+            empties = set()
+            for p, k in counts.items():
+                stack = self._stacks[p]
+                if stack is not None and k == self._capacity[p] - len(stack):
+                    empties.add(p)
+            if not empties:
+                return ordered
+            first: list[int] = []
+            rest: list[int] = []
+            for b in ordered:
+                emptying = 0 <= b < nb and b // bpp in empties and state[b] == _ALLOCATED
+                (first if emptying else rest).append(b)
+        return first + rest
+
+    def close(self) -> None:
+        """Close the page allocator (unmaps every page). The ledger is unusable after."""
+        self._pages.close()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _acquire_pages(self, blocks: int) -> list[int] | None:
+        """Fresh pages covering ``blocks`` more blocks (the last page of the geometry may
+        hold fewer than ``blocks_per_page``), or ``None`` with nothing kept."""
+        capacity = self._capacity
+        bpp = self._bpp
+        got: list[int] = []
+        covered = 0
+        while covered < blocks:
+            more = self._pages.acquire(-(-(blocks - covered) // bpp))
+            if more is None:
+                if got:
+                    self._pages.release(got)
+                return None
+            got += more
+            covered += sum(capacity[p] for p in more)
+        return got
+
+    def _bucket_add(self, page: int, free: int) -> None:
+        bucket = self._buckets[free]
+        if not bucket:
+            self._nonempty |= 1 << free
+        bucket[page] = None
+
+    def _bucket_remove(self, page: int, free: int) -> None:
+        bucket = self._buckets[free]
+        del bucket[page]
+        if not bucket:
+            self._nonempty &= ~(1 << free)
+
+    def _why_not_freeable(self, block: int, earlier: Sequence[int]) -> str:
+        if not 0 <= block < self._num_blocks:
+            return f"out of range 0..{self._num_blocks - 1}"
+        if self._state[block] == _RESERVED:
+            return "it is reserved for good"
+        if block in earlier:
+            return "named twice in one call"
+        return "not allocated (double free?)"

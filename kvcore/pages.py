@@ -1,0 +1,788 @@
+"""The page allocator: which page ids hold physical memory, and the reserve that keeps the
+driver off the scheduler thread.
+
+A ``PageAllocator`` owns the page states of one engine's virtual KV tensors (DESIGN.md
+section 5) and decides every page transition; a ``kvcore.mapper.PageMapper`` carries them
+out (locally, or on every TP x PP worker). The block ledger (``kvcore.blocks``) is its
+caller: it ``acquire``\\ s pages when it has no free block left on a mapped page and
+``release``\\ s a page once every block on it is free.
+
+Page states (``PageState``)::
+
+    FREE (unbacked) --map--> IN_USE --release--> RESERVED (mapped, idle) --acquire--> IN_USE
+      ^                        |  \\--release(fence)--> FENCED --retire--> RESERVED / UNMAP_QUEUED
+      |                        \\--release, reserve full--> UNMAP_QUEUED --unmap--> UNMAPPING
+      \\------------------------------------------ commit ------------------------------/
+    any failed rollback --> QUARANTINED (never handed out again)
+    an inconsistent state --> the whole allocator fails (every later call raises PoolFailed)
+
+The reserve. Up to ``reserve_max`` released pages stay mapped in the reserve (fewer when the
+gate's ``reserve_target`` says so); a background thread keeps at least ``reserve_min`` there
+by mapping ahead. While the reserve covers demand, ``acquire`` and ``release`` make no
+mapper (hence no driver) call on the calling thread: they move page ids between lists under
+one lock. Surplus pages are unmapped by the background thread too, so unmap outliers (3-5 ms
+on a GPU) never land on the scheduler thread. Only when the reserve and the pages waiting to
+be unmapped cannot cover a request does ``acquire`` map on the calling thread.
+
+Failure handling (DESIGN.md section 6, invariants 2 and 3):
+
+* a physical shortage (the gate refuses, the mapper raises ``OutOfDeviceMemory``) or a map
+  the mapper rolled back cleanly (any other ``VmmError``) is a *miss*: ``acquire`` returns
+  ``None`` and every page it touched is back where it was;
+* ``PageQuarantined`` from the mapper quarantines the pages it names (every page of the call
+  when it names none): capacity shrinks, the caller sees a miss. A quarantined page keeps
+  its gate charge until ``close`` (its memory may still be held);
+* ``PoolFailed`` from the mapper, any other exception, or a state the allocator cannot
+  explain fails the allocator: that call and every later one raise ``PoolFailed``.
+
+The mapper is called with one lock held (``PageMapper`` implementations need not be
+thread-safe); the allocator's own state is guarded by another, never held across a mapper
+or gate call.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+from kvcore.accounting import MemoryGate, UnlimitedGate
+from kvcore.errors import (
+    InvalidTransition,
+    PageQuarantined,
+    PoolFailed,
+    VmmError,
+)
+from kvcore.mapper import PageMapper
+
+__all__ = ["TRANSITIONS", "PageAllocator", "PageState", "PageStats"]
+
+
+class PageState(enum.IntEnum):
+    """The state of one page id (DESIGN.md section 5)."""
+
+    FREE = 0
+    """Unbacked: never mapped, or unmapped and its handle committed. Reads hit the zero page."""
+    MAPPING = 1
+    """A map of this page is in flight."""
+    IN_USE = 2
+    """Mapped and handed out by ``acquire``: blocks on it may be live."""
+    RESERVED = 3
+    """Mapped and idle in the reserve; ``acquire`` hands it out without a driver call."""
+    FENCED = 4
+    """Released behind a fence: still mapped (an in-flight batch may read it) until
+    ``retire(fence)``."""
+    UNMAP_QUEUED = 5
+    """Released surplus, still mapped, waiting for the background unmap; ``acquire`` may
+    take it back without a driver call."""
+    UNMAPPING = 6
+    """``prepare_unmap`` / ``commit_unmap`` in flight."""
+    QUARANTINED = 7
+    """A rollback failed: the page is never handed out again."""
+
+
+_S = PageState
+TRANSITIONS: frozenset[tuple[PageState, PageState]] = frozenset(
+    {
+        (_S.FREE, _S.MAPPING),
+        (_S.MAPPING, _S.IN_USE),
+        (_S.MAPPING, _S.RESERVED),
+        (_S.MAPPING, _S.FREE),
+        (_S.MAPPING, _S.QUARANTINED),
+        (_S.RESERVED, _S.IN_USE),
+        (_S.RESERVED, _S.UNMAP_QUEUED),
+        (_S.IN_USE, _S.RESERVED),
+        (_S.IN_USE, _S.FENCED),
+        (_S.IN_USE, _S.UNMAP_QUEUED),
+        (_S.IN_USE, _S.UNMAPPING),
+        (_S.FENCED, _S.RESERVED),
+        (_S.FENCED, _S.UNMAP_QUEUED),
+        (_S.FENCED, _S.UNMAPPING),
+        (_S.UNMAP_QUEUED, _S.IN_USE),
+        (_S.UNMAP_QUEUED, _S.RESERVED),
+        (_S.UNMAP_QUEUED, _S.UNMAPPING),
+        (_S.RESERVED, _S.UNMAPPING),
+        (_S.UNMAPPING, _S.FREE),
+        (_S.UNMAPPING, _S.RESERVED),
+        (_S.UNMAPPING, _S.QUARANTINED),
+    }
+)
+"""Every legal ``(from, to)`` page transition. The allocator fails (``PoolFailed``) rather
+than make any other."""
+
+_FREE, _MAPPING, _IN_USE, _RESERVED = _S.FREE, _S.MAPPING, _S.IN_USE, _S.RESERVED
+_FENCED, _QUEUED, _UNMAPPING, _QUARANTINED = (
+    _S.FENCED,
+    _S.UNMAP_QUEUED,
+    _S.UNMAPPING,
+    _S.QUARANTINED,
+)
+_BACKED = frozenset({_IN_USE, _RESERVED, _FENCED, _QUEUED, _UNMAPPING})
+_RELEASING = 255  # transient marker while ``release`` validates its ids
+
+
+@dataclass(frozen=True)
+class PageStats:
+    """A snapshot of the allocator (``PageAllocator.stats()``); counts are page ids unless
+    named otherwise."""
+
+    num_pages: int
+    page_bytes: int
+    mapped: int
+    """Pages holding physical memory (in use, reserved, fenced, waiting for or in unmap)."""
+    in_use: int
+    reserved: int
+    fenced: int
+    """Released pages waiting for their fence to retire."""
+    pending_fences: int
+    """Fences with at least one page behind them."""
+    unmap_pending: int
+    """Pages queued for, or in, the background unmap."""
+    quarantined: int
+    free: int
+    """Unbacked pages that can still be mapped."""
+    misses: int
+    """``acquire`` calls that returned ``None``."""
+    caller_mapper_calls: int
+    """Mapper calls made on any thread but the background one (the scheduler's)."""
+    refill_mapper_calls: int
+    """Mapper calls made on the background refill/unmap thread."""
+    failed: bool
+
+
+class PageAllocator:
+    """Page states, the pre-mapped reserve and its background thread for one ``PageMapper``.
+
+    ``gate`` admits every byte mapped (default: an ``UnlimitedGate``). ``reserve_min`` /
+    ``reserve_max`` bound the reserve in pages (``0 <= reserve_min <= reserve_max``);
+    ``retry_interval`` is how long the background thread waits before mapping again after
+    a miss (doubling per further miss, up to 20x, while its batch halves),
+    ``poll_interval`` how often it re-reads the gate's ``reserve_target`` and
+    reports the reserve while idle. Every method is thread-safe. Raises ``ValueError`` for
+    bounds that do not fit the mapper's page count.
+    """
+
+    def __init__(
+        self,
+        mapper: PageMapper,
+        gate: MemoryGate | None = None,
+        *,
+        reserve_min: int = 0,
+        reserve_max: int = 0,
+        retry_interval: float = 0.05,
+        poll_interval: float = 0.25,
+    ) -> None:
+        num_pages = mapper.num_pages
+        if not 0 <= reserve_min <= reserve_max <= num_pages:
+            raise ValueError(
+                f"page allocator: need 0 <= reserve_min ({reserve_min}) <= reserve_max "
+                f"({reserve_max}) <= num_pages ({num_pages})"
+            )
+        self._mapper = mapper
+        self._gate: MemoryGate = gate if gate is not None else UnlimitedGate()
+        self._num_pages = num_pages
+        self._page_bytes = mapper.page_bytes
+        self._reserve_min = reserve_min
+        self._reserve_max = reserve_max
+        self._retry_interval = retry_interval
+        self._poll_interval = poll_interval
+
+        self._state = bytearray(num_pages)  # PageState per page id
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # lowest id on top
+        self._reserve: list[int] = []
+        self._unmap_queue: list[int] = []
+        self._fenced: dict[Hashable, list[int]] = {}
+        self._reserve_cap = reserve_max  # gate-approved reserve size, refreshed off-thread
+        self._refill_paused = False  # set by trim() until the next acquire
+        self._retry_at = 0.0  # no background map before this monotonic time
+        self._backoff = retry_interval  # doubles on each background miss, up to 20x
+        self._batch_limit = num_pages  # pages per background map; halves on each miss
+        self._reserve_dirty = True
+        self._busy = False  # background thread inside a round
+        self._kick = False  # flush() asked for a round
+        self._rounds = 0
+        self._misses = 0
+        self._calls_caller = 0
+        self._calls_refill = 0
+        self._failure: str | None = None
+        self._failure_cause: BaseException | None = None
+        self._closed = False
+        self._stop = False
+
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)  # the background thread waits here
+        self._settled = threading.Condition(self._lock)  # flush() waits here
+        self._mapper_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="kvcore-page-refill", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public seam
+
+    @property
+    def num_pages(self) -> int:
+        """Page ids managed (``mapper.num_pages``)."""
+        return self._num_pages
+
+    @property
+    def page_bytes(self) -> int:
+        """Device bytes one mapped page id costs (``mapper.page_bytes``)."""
+        return self._page_bytes
+
+    def acquire(self, n: int) -> list[int] | None:
+        """Hand out ``n`` mapped page ids, now ``IN_USE``.
+
+        Taken from the reserve first, then from pages waiting to be unmapped, then mapped
+        on this thread (after ``gate.try_acquire``). Returns ``None`` on a physical miss
+        (gate refused, out of device memory, a rolled-back or quarantining map, too few
+        unquarantined pages) with every page it touched back where it was. Raises
+        ``PoolFailed`` once the allocator has failed.
+        """
+        if n <= 0:
+            if n == 0:
+                return []
+            raise ValueError(f"page allocator: cannot acquire {n} pages")
+        with self._lock:
+            self._check_usable()
+            self._refill_paused = False
+            reserve = self._reserve
+            if len(reserve) >= n:  # the hot path: no mapper or gate call
+                ids = reserve[-n:]
+                del reserve[-n:]
+                self._move(ids, _RESERVED, _IN_USE)
+                self._reserve_dirty = True
+                if len(reserve) < self._reserve_min:
+                    self._wake.notify()
+                return ids
+            from_reserve = reserve[:]
+            reserve.clear()
+            self._move(from_reserve, _RESERVED, _IN_USE)
+            queue = self._unmap_queue
+            k = min(len(queue), n - len(from_reserve))
+            reclaimed = queue[len(queue) - k :]
+            del queue[len(queue) - k :]
+            self._move(reclaimed, _QUEUED, _IN_USE)
+            ids = from_reserve + reclaimed
+            need = n - len(ids)
+            self._reserve_dirty = True
+            self._wake.notify()
+            if need == 0:
+                return ids
+            if need > len(self._free):
+                self._undo_acquire(ids)
+                return None
+            fresh = self._free[len(self._free) - need :]
+            del self._free[len(self._free) - need :]
+            self._move(fresh, _FREE, _MAPPING)
+        mapped = self._map(fresh, refill=False)
+        with self._lock:
+            if mapped:
+                self._move(fresh, _MAPPING, _IN_USE)
+                return ids + fresh
+            self._undo_acquire(ids)
+            self._check_usable()
+            return None
+
+    def acquire_ids(self, page_ids: Sequence[int]) -> bool:
+        """Make these specific page ids ``IN_USE`` (e.g. the page of a permanently reserved
+        block). Reserved or queued pages are taken without a driver call; free ones are
+        mapped on this thread; a page another thread is mapping or unmapping is waited
+        for. Returns ``False`` on a physical miss (nothing changed). Raises
+        ``InvalidTransition`` for a page already in use, fenced or quarantined,
+        ``PoolFailed`` once the allocator has failed."""
+        ids = list(dict.fromkeys(page_ids))
+        with self._lock:
+            self._check_usable()
+            state = self._state
+            bad = [p for p in ids if not 0 <= p < self._num_pages]
+            if bad:
+                raise InvalidTransition(
+                    f"page allocator: page ids {bad} are outside 0..{self._num_pages - 1}",
+                    ids=bad,
+                )
+            # a page the background thread is mapping or unmapping settles within its round
+            while any(state[p] in (_MAPPING, _UNMAPPING) for p in ids):
+                self._wake.notify()
+                self._settled.wait(self._poll_interval)
+                self._check_usable()
+            bad = [p for p in ids if state[p] not in (_FREE, _RESERVED, _QUEUED)]
+            if bad:
+                raise InvalidTransition(
+                    f"page allocator: cannot acquire pages {bad} in state "
+                    f"{[PageState(state[p]).name for p in bad]}",
+                    ids=bad,
+                    hint="only free, reserved or unmap-queued pages can be acquired",
+                )
+            fresh = [p for p in ids if state[p] == _FREE]
+            for p in ids:
+                if state[p] == _RESERVED:
+                    self._reserve.remove(p)
+                    self._move((p,), _RESERVED, _IN_USE)
+                elif state[p] == _QUEUED:
+                    self._unmap_queue.remove(p)
+                    self._move((p,), _QUEUED, _IN_USE)
+            for p in fresh:
+                self._free.remove(p)
+            self._move(fresh, _FREE, _MAPPING)
+            self._reserve_dirty = True
+            self._wake.notify()
+        if not fresh:
+            return True
+        mapped = self._map(fresh, refill=False)
+        with self._lock:
+            if mapped:
+                self._move(fresh, _MAPPING, _IN_USE)
+                return True
+            self._undo_acquire([p for p in ids if p not in fresh])
+            self._check_usable()
+            return False
+
+    def release(self, page_ids: Sequence[int], fence: Hashable | None = None) -> None:
+        """Give back ``IN_USE`` pages whose blocks are all free.
+
+        Without a ``fence`` each page goes to the reserve while it is below the gate's
+        reserve target, else it is queued for the background thread to unmap
+        (``prepare_unmap`` + ``commit_unmap``, then ``gate.release``). With a ``fence`` the
+        pages stay mapped until ``retire(fence)``: the barrier that proves no in-flight
+        batch still reads them. Makes no mapper call. Raises ``InvalidTransition`` (nothing
+        changed) for a page not in use or named twice, ``PoolFailed`` once failed.
+        """
+        with self._lock:
+            self._check_usable()
+            state = self._state
+            for i, p in enumerate(page_ids):
+                if not 0 <= p < self._num_pages or state[p] != _IN_USE:
+                    if not 0 <= p < self._num_pages:
+                        shown = "out of range"
+                    elif state[p] == _RELEASING:
+                        shown = "named twice"
+                    else:
+                        shown = f"in state {PageState(state[p]).name}"
+                    for q in page_ids[:i]:
+                        state[q] = _IN_USE
+                    raise InvalidTransition(
+                        f"page allocator: cannot release page {p}: {shown}",
+                        ids=(p,),
+                        hint="release only pages acquire() handed out, once each",
+                    )
+                state[p] = _RELEASING
+            if fence is not None:
+                for p in page_ids:
+                    state[p] = _FENCED
+                self._fenced.setdefault(fence, []).extend(page_ids)
+                return
+            for p in page_ids:
+                state[p] = _IN_USE
+            self._park(page_ids, _IN_USE)
+
+    def retire(self, fence: Hashable) -> int:
+        """The barrier ``fence`` has passed: pages released behind it go to the reserve or
+        the unmap queue like an unfenced ``release``. Returns how many pages it freed (0 for
+        a fence with nothing behind it). Makes no mapper call."""
+        with self._lock:
+            self._check_usable()
+            pages = self._fenced.pop(fence, None)
+            if not pages:
+                return 0
+            self._park(pages, _FENCED)
+            return len(pages)
+
+    def trim(self) -> int:
+        """Drop the whole reserve: its pages are unmapped by the background thread, and the
+        refill stays paused until the next ``acquire``. Returns the pages dropped."""
+        with self._lock:
+            self._check_usable()
+            dropped = self._reserve[:]
+            self._reserve.clear()
+            self._move(dropped, _RESERVED, _QUEUED)
+            self._unmap_queue.extend(dropped)
+            self._refill_paused = True
+            self._reserve_dirty = True
+            self._wake.notify()
+            return len(dropped)
+
+    def flush(self, timeout: float | None = 10.0) -> bool:
+        """Wait until the background thread has done one full round after this call and has
+        nothing left to do: no unmap pending, the reserve within its bounds (or the refill
+        blocked by a miss, a pause or no free pages). Returns ``False`` on timeout. For
+        tests, benchmarks and the control plane; never needed on the hot path."""
+        with self._lock:
+            self._check_usable()
+            # a round that *starts* after this call sees everything done before it
+            need = self._rounds + (2 if self._busy else 1)
+            self._kick = True
+            self._wake.notify()
+            done = self._settled.wait_for(
+                lambda: (
+                    self._failure is not None
+                    or (self._rounds >= need and not self._busy and self._idle_locked())
+                ),
+                timeout,
+            )
+            self._check_usable()
+            return done
+
+    def state(self, page_id: int) -> PageState:
+        """The current state of one page id."""
+        with self._lock:
+            return PageState(self._state[page_id])
+
+    def available(self) -> int:
+        """Pages ``acquire`` could hand out now: reserved, queued for unmap, and free pages
+        the gate would still admit (``gate.headroom()`` where the gate has one). An upper
+        bound: the device itself may still run out."""
+        with self._lock:
+            self._check_usable()
+            ready = len(self._reserve) + len(self._unmap_queue)
+            free = len(self._free)
+        headroom = getattr(self._gate, "headroom", None)
+        room = headroom() if callable(headroom) else None
+        if isinstance(room, int):
+            free = min(free, max(room, 0) // self._page_bytes)
+        return ready + free
+
+    def stats(self) -> PageStats:
+        """A consistent snapshot of page counts and mapper-call counters."""
+        with self._lock:
+            counts = [0] * len(PageState)
+            for s in self._state:
+                counts[s if s != _RELEASING else _IN_USE] += 1
+            return PageStats(
+                num_pages=self._num_pages,
+                page_bytes=self._page_bytes,
+                mapped=sum(counts[s] for s in _BACKED),
+                in_use=counts[_IN_USE],
+                reserved=counts[_RESERVED],
+                fenced=counts[_FENCED],
+                pending_fences=len(self._fenced),
+                unmap_pending=counts[_QUEUED] + counts[_UNMAPPING],
+                quarantined=counts[_QUARANTINED],
+                free=counts[_FREE],
+                misses=self._misses,
+                caller_mapper_calls=self._calls_caller,
+                refill_mapper_calls=self._calls_refill,
+                failed=self._failure is not None,
+            )
+
+    def close(self) -> None:
+        """Stop the background thread and unmap every mapped page (in use ones included:
+        the engine is going away), returning their bytes and the quarantined pages' bytes to
+        the gate. Idempotent. Raises ``PoolFailed`` if the final unmap of a healthy allocator
+        failed (the mapper's own ``close`` still releases what is left); after a fail-stop it
+        only tries."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stop = True
+            self._wake.notify_all()
+            self._settled.notify_all()
+        self._thread.join()
+        with self._lock:
+            backed = [p for p in range(self._num_pages) if self._state[p] in _BACKED]
+            quarantined = sum(1 for s in self._state if s == _QUARANTINED)
+            for p in backed:
+                self._state[p] = _UNMAPPING
+            self._reserve.clear()
+            self._unmap_queue.clear()
+            self._fenced.clear()
+        error: BaseException | None = None
+        if backed:
+            try:
+                with self._mapper_lock:
+                    self._calls_caller += 2
+                    self._mapper.prepare_unmap(backed)
+                    self._mapper.commit_unmap(backed)
+            except BaseException as exc:  # close is best effort; report at the end
+                error = exc
+        with self._lock:
+            if error is None:
+                for p in backed:
+                    self._state[p] = _FREE
+        self._gate.release((len(backed) + quarantined) * self._page_bytes)
+        self._gate.report_reserve(0)
+        if error is not None and self._failure is None:  # a failed pool already said so
+            raise PoolFailed(
+                f"page allocator: unmapping {len(backed)} pages at close failed: {error}",
+                hint="the mapper's close() releases what is left",
+            ) from error
+
+    def __enter__(self) -> PageAllocator:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ state helpers
+
+    def _move(self, pages: Sequence[int], frm: PageState, to: PageState) -> None:
+        """Transition ``pages`` from ``frm`` to ``to``; any surprise fails the allocator.
+        Caller holds ``_lock``."""
+        if (frm, to) not in TRANSITIONS:
+            self._fail_locked(f"illegal page transition {frm.name} -> {to.name}")
+        state = self._state
+        for p in pages:
+            if state[p] != frm:
+                self._fail_locked(
+                    f"page {p} is {PageState(state[p]).name}, expected {frm.name} "
+                    f"(moving to {to.name})"
+                )
+            state[p] = to
+
+    def _park(self, pages: Sequence[int], frm: PageState) -> None:
+        """Released pages go to the reserve up to its cap, the rest to the unmap queue.
+        Caller holds ``_lock``."""
+        room = max(self._reserve_cap - len(self._reserve), 0)
+        keep, drop = list(pages[:room]), list(pages[room:])
+        self._move(keep, frm, _RESERVED)
+        self._reserve.extend(keep)
+        if drop:
+            self._move(drop, frm, _QUEUED)
+            self._unmap_queue.extend(drop)
+            self._wake.notify()
+        self._reserve_dirty = True
+
+    def _undo_acquire(self, ids: list[int]) -> None:
+        """Put pages a failed acquire took back, as reserved (the background thread trims
+        any surplus). Caller holds ``_lock``."""
+        self._move(ids, _IN_USE, _RESERVED)
+        self._reserve.extend(ids)
+        self._misses += 1
+        self._reserve_dirty = True
+        self._wake.notify()
+
+    def _idle_locked(self) -> bool:
+        if self._unmap_queue or len(self._reserve) > self._reserve_cap:
+            return False
+        return self._refill_deficit_locked() == 0 or self._refill_blocked_locked()
+
+    def _refill_target_locked(self) -> int:
+        return 0 if self._refill_paused else min(self._reserve_min, self._reserve_cap)
+
+    def _refill_deficit_locked(self) -> int:
+        return max(self._refill_target_locked() - len(self._reserve), 0)
+
+    def _refill_blocked_locked(self) -> bool:
+        return not self._free or time.monotonic() < self._retry_at
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise PoolFailed(
+                f"page allocator failed: {self._failure}",
+                hint="fail-stop: restart the engine; the per-GPU ledger reclaims its pages",
+            ) from self._failure_cause
+        if self._closed:
+            raise PoolFailed("page allocator is closed", hint="build a new one")
+
+    def _fail_locked(self, reason: str, cause: BaseException | None = None) -> NoReturn:
+        """Fail-stop: record why (the first reason wins), wake everyone, raise
+        ``PoolFailed``."""
+        if self._failure is None:
+            self._failure = reason
+            self._failure_cause = cause
+            self._wake.notify_all()
+            self._settled.notify_all()
+        self._check_usable()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _fail(self, reason: str, cause: BaseException | None = None) -> NoReturn:
+        with self._lock:
+            self._fail_locked(reason, cause)
+
+    # ------------------------------------------------------------------ mapper calls
+
+    def _count_call(self, refill: bool) -> None:
+        if refill:
+            self._calls_refill += 1
+        else:
+            self._calls_caller += 1
+
+    def _map(self, pages: list[int], *, refill: bool) -> bool:
+        """Map ``MAPPING`` pages. ``True``: mapped, still ``MAPPING`` for the caller to move
+        on. ``False``: a miss, the pages are ``FREE`` (or quarantined) again. Raises
+        ``PoolFailed`` when the allocator failed."""
+        nbytes = len(pages) * self._page_bytes
+        if not self._gate.try_acquire(nbytes):
+            self._return_to_free(pages)
+            return False
+        try:
+            with self._mapper_lock:
+                self._count_call(refill)
+                self._mapper.map(pages)
+        except PageQuarantined as exc:
+            self._to_free(pages, _MAPPING, quarantined=_named_or_all(exc.page_ids, pages))
+            return False
+        except PoolFailed as exc:
+            self._fail(f"mapper failed while mapping pages {pages}: {exc}", exc)
+        except VmmError:  # out of device memory, or a map the mapper rolled back cleanly
+            self._gate.release(nbytes)
+            self._return_to_free(pages)
+            return False
+        except BaseException as exc:
+            self._fail(f"unexpected error while mapping pages {pages}: {exc!r}", exc)
+        return True
+
+    def _return_to_free(self, pages: list[int]) -> None:
+        with self._lock:
+            self._move(pages, _MAPPING, _FREE)
+            self._free.extend(reversed(pages))
+
+    def _unmap(self, pages: list[int]) -> None:
+        """Unmap ``UNMAPPING`` pages (background thread only) and return their bytes."""
+        try:
+            with self._mapper_lock:
+                self._calls_refill += 1
+                self._mapper.prepare_unmap(pages)
+        except PageQuarantined as exc:
+            bad = _named_or_all(exc.page_ids, pages)
+            self._settle_unmap_failure(pages, bad)
+            return
+        except PoolFailed as exc:
+            self._fail(f"mapper failed while unmapping pages {pages}: {exc}", exc)
+        except VmmError:  # the mapper restored the mappings: the pages stay mapped
+            self._settle_unmap_failure(pages, [])
+            return
+        except BaseException as exc:
+            self._fail(f"unexpected error while unmapping pages {pages}: {exc!r}", exc)
+        quarantined: list[int] = []
+        for attempt in (1, 2):  # commit is idempotent: one retry
+            try:
+                with self._mapper_lock:
+                    self._calls_refill += 1
+                    self._mapper.commit_unmap(pages)
+                break
+            except PageQuarantined as exc:
+                quarantined = _named_or_all(exc.page_ids, pages)
+                break
+            except PoolFailed as exc:
+                self._fail(f"mapper failed while committing unmap of {pages}: {exc}", exc)
+            except VmmError:
+                if attempt == 2:  # handles in an unknown state: never reuse these ids
+                    quarantined = list(pages)
+            except BaseException as exc:
+                self._fail(f"unexpected error committing unmap of {pages}: {exc!r}", exc)
+        self._to_free(pages, _UNMAPPING, quarantined=quarantined)
+
+    def _to_free(self, pages: list[int], frm: PageState, quarantined: Sequence[int]) -> None:
+        """Pages leave a failed or finished mapper call: ``quarantined`` ones for good (their
+        gate charge stays until ``close``), the others unbacked, their bytes back to the
+        gate."""
+        with self._lock:
+            self._move(quarantined, frm, _QUARANTINED)
+            done = [p for p in pages if p not in quarantined]
+            self._move(done, frm, _FREE)
+            self._free.extend(done)
+        self._gate.release(len(done) * self._page_bytes)
+
+    def _settle_unmap_failure(self, pages: list[int], quarantined: Sequence[int]) -> None:
+        """A prepare failed: quarantined pages leave, the rest are still mapped and go back
+        to the reserve; the next unmap waits ``retry_interval``."""
+        with self._lock:
+            self._move(quarantined, _UNMAPPING, _QUARANTINED)
+            kept = [p for p in pages if p not in quarantined]
+            self._move(kept, _UNMAPPING, _RESERVED)
+            self._reserve.extend(kept)
+            self._retry_at = time.monotonic() + self._retry_interval
+
+    # ------------------------------------------------------------------ background thread
+
+    def _run(self) -> None:
+        try:
+            while self._round():
+                pass
+        except PoolFailed:
+            pass  # recorded; every caller now sees it
+        except BaseException as exc:  # pragma: no cover - defensive
+            self._fail(f"background thread died: {exc!r}", exc)
+        finally:
+            with self._lock:
+                self._busy = False
+                self._settled.notify_all()
+
+    def _round(self) -> bool:
+        """One round of background work. Returns ``False`` when the thread should stop."""
+        with self._lock:
+            while not self._stop and self._failure is None and not self._has_work_locked():
+                self._busy = False
+                self._settled.notify_all()
+                if not self._wake.wait(self._wait_timeout_locked()):
+                    break  # timed out: poll the gate, report the reserve
+            if self._stop or self._failure is not None:
+                return False
+            self._busy = True
+            self._kick = False
+        cap = self._gate.reserve_target(self._reserve_max * self._page_bytes) // self._page_bytes
+        with self._lock:
+            self._reserve_cap = min(max(cap, 0), self._reserve_max)
+            unmaps, maps = self._plan_locked()
+        if unmaps:
+            self._unmap(unmaps)
+        if maps:
+            if self._map(maps, refill=True):
+                with self._lock:
+                    self._move(maps, _MAPPING, _RESERVED)
+                    self._reserve.extend(maps)
+                    self._backoff = self._retry_interval
+                    self._batch_limit = min(2 * self._batch_limit, self._num_pages)
+            else:  # a miss: wait longer and ask for less next time
+                with self._lock:
+                    self._retry_at = time.monotonic() + self._backoff
+                    self._backoff = min(2 * self._backoff, 20 * self._retry_interval)
+                    self._batch_limit = max(len(maps) // 2, 1)
+        with self._lock:
+            reserve_bytes = len(self._reserve) * self._page_bytes
+            self._reserve_dirty = False
+        self._gate.report_reserve(reserve_bytes)
+        with self._lock:
+            self._rounds += 1
+            self._settled.notify_all()
+        return True
+
+    def _has_work_locked(self) -> bool:
+        if self._kick or self._unmap_queue or len(self._reserve) > self._reserve_cap:
+            return True
+        return self._refill_deficit_locked() > 0 and not self._refill_blocked_locked()
+
+    def _wait_timeout_locked(self) -> float:
+        if self._refill_deficit_locked() > 0 and self._free:
+            wait = self._retry_at - time.monotonic()
+            if wait > 0:
+                return min(wait, self._poll_interval)
+        return self._poll_interval
+
+    def _plan_locked(self) -> tuple[list[int], list[int]]:
+        """Pick this round's unmaps and maps and move their pages into flight."""
+        reserve = self._reserve
+        surplus = len(reserve) - self._reserve_cap
+        if surplus > 0:
+            drop = reserve[:surplus]
+            del reserve[:surplus]
+            self._move(drop, _RESERVED, _QUEUED)
+            self._unmap_queue.extend(drop)
+        deficit = self._refill_deficit_locked()
+        queue = self._unmap_queue
+        if deficit and queue:  # take back pages still mapped before mapping new ones
+            k = min(deficit, len(queue))
+            back = queue[len(queue) - k :]
+            del queue[len(queue) - k :]
+            self._move(back, _QUEUED, _RESERVED)
+            reserve.extend(back)
+            deficit -= k
+        maps: list[int] = []
+        if deficit and not self._refill_blocked_locked():
+            k = min(deficit, len(self._free), self._batch_limit)
+            maps = self._free[len(self._free) - k :]
+            del self._free[len(self._free) - k :]
+            self._move(maps, _FREE, _MAPPING)
+        unmaps = queue[:]
+        queue.clear()
+        self._move(unmaps, _QUEUED, _UNMAPPING)
+        return unmaps, maps
+
+
+def _named_or_all(named: Sequence[int], pages: Sequence[int]) -> list[int]:
+    """The pages of a call a ``PageQuarantined`` names; all of them when it names none."""
+    inside = set(named) & set(pages)
+    return [p for p in pages if p in inside] if inside else list(pages)

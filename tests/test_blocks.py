@@ -1,0 +1,292 @@
+"""BlockLedger on the real host backend: placement, all-or-nothing, typed errors, eviction
+hint, and invariants 1 and 4 under a randomized engine-like workload."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcore.accounting import BudgetGate
+from kvcore.blocks import BlockLedger
+from kvcore.errors import GeometryError, InvalidTransition
+from kvcore.pages import PageState
+from tests.memstack import MemStack, build_stack
+
+BPP = 4  # blocks per page in these tests
+
+
+@pytest.fixture
+def stack() -> Iterator[MemStack]:
+    s = build_stack(num_blocks=32, blocks_per_page=BPP)
+    yield s
+    s.close()
+
+
+def pages_of(ledger: BlockLedger, blocks: list[int]) -> set[int]:
+    return {ledger.page_of(b) for b in blocks}
+
+
+def test_alloc_fills_partly_used_pages_fullest_first(stack: MemStack) -> None:
+    ledger = stack.ledger()
+    ids = ledger.alloc(8)
+    assert ids is not None and stack.pages.stats().in_use == 2  # two full pages
+    p0, p1 = sorted(pages_of(ledger, ids))
+    on = {p: [b for b in ids if ledger.page_of(b) == p] for p in (p0, p1)}
+    ledger.free(on[p0][:1])  # p0: 1 free slot
+    ledger.free(on[p1][:2])  # p1: 2 free slots
+    one = ledger.alloc(1)
+    assert one is not None and ledger.page_of(one[0]) == p0  # the fullest page first
+    two = ledger.alloc(1)
+    assert two is not None and ledger.page_of(two[0]) == p1
+    three = ledger.alloc(2)  # p1's last slot, then a fresh page
+    assert three is not None
+    assert sorted(ledger.page_of(b) for b in three)[0] == p1
+    assert stack.pages.stats().in_use == 3 and ledger.used() == 9
+    kept = [b for b in ids if b not in on[p0][:1] + on[p1][:2]]
+    assert len(set(kept + one + two + three)) == 9
+
+
+def test_an_empty_page_goes_back_and_is_unmapped(stack: MemStack) -> None:
+    ledger = stack.ledger()
+    ids = ledger.alloc(6)
+    assert ids is not None
+    first_page = ledger.page_of(ids[0])
+    on_first = [b for b in ids if ledger.page_of(b) == first_page]
+    ledger.free(on_first[:-1])
+    assert stack.pages.state(first_page) is PageState.IN_USE  # one block still lives there
+    ledger.free(on_first[-1:])
+    assert stack.pages.flush()
+    assert stack.pages.state(first_page) is PageState.FREE
+    assert first_page not in stack.mapped_pages()
+    assert pages_of(ledger, [b for b in ids if b not in on_first]) <= stack.mapped_pages()
+
+
+def test_alloc_is_all_or_nothing_on_a_physical_miss() -> None:
+    gate = BudgetGate(limit=0)
+    stack = build_stack(num_blocks=32, blocks_per_page=BPP, gate=gate)
+    try:
+        gate.limit = 2 * stack.pages.page_bytes
+        ledger = stack.ledger()
+        a = ledger.alloc(3)
+        assert a is not None
+        assert ledger.alloc(6) is None  # 1 free slot + 1 page (4) < 6
+        assert ledger.used() == 3 and stack.pages.stats().in_use == 1
+        assert ledger.available() == 5
+        b = ledger.alloc(5)
+        assert b is not None and ledger.available() == 0 and ledger.alloc(1) is None
+        ledger.free(a + b)
+        assert ledger.used() == 0 and ledger.available() == 8
+    finally:
+        stack.close()
+
+
+def test_alloc_misses_when_the_device_runs_out_and_leaks_nothing() -> None:
+    stack = build_stack(num_blocks=32, blocks_per_page=BPP, device_pages=2)
+    try:
+        ledger = stack.ledger()
+        handles = set(stack.vmm.live_handles)
+        assert ledger.alloc(9) is None
+        assert ledger.used() == 0 and stack.vmm.live_handles == handles
+        assert stack.mapped_pages() == set()
+        assert ledger.alloc(8) is not None
+    finally:
+        stack.close()
+
+
+def test_freeing_wrong_ids_raises_naming_the_id_and_changes_nothing(stack: MemStack) -> None:
+    ledger = stack.ledger(reserved_blocks=(0,))
+    ids = ledger.alloc(3)
+    assert ids is not None
+    a, b, c = ids
+    never = next(x for x in range(32) if x not in ids and x != 0)
+    cases = [
+        ([a, never], f"block {never}: not allocated"),
+        ([a, b, a], f"block {a}: named twice"),
+        ([0], "block 0: it is reserved"),
+        ([32], "block 32: out of range"),
+        ([-1], "block -1: out of range"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(InvalidTransition, match=message) as err:
+            ledger.free(bad)
+        assert err.value.ids[0] in bad
+        assert ledger.used() == 4 and all(ledger.is_allocated(x) for x in (a, b, c))
+    ledger.free([a])
+    with pytest.raises(InvalidTransition, match=f"block {a}: not allocated"):
+        ledger.free([a])  # double free
+    assert ledger.used() == 3
+
+
+def test_reserved_blocks_keep_their_page_mapped_for_good(stack: MemStack) -> None:
+    ledger = stack.ledger(reserved_blocks=(0,))
+    assert stack.pages.state(0) is PageState.IN_USE and 0 in stack.mapped_pages()
+    assert ledger.used() == 1 and ledger.is_allocated(0)
+    ids = ledger.alloc(3)  # the three other slots of page 0 first
+    assert ids is not None and pages_of(ledger, ids) == {0} and 0 not in ids
+    ledger.free(ids)
+    assert stack.pages.flush()
+    assert stack.pages.state(0) is PageState.IN_USE and 0 in stack.mapped_pages()
+
+
+def test_the_short_last_page_of_the_geometry_is_used_and_given_back() -> None:
+    stack = build_stack(num_blocks=10, blocks_per_page=BPP)  # pages of 4, 4 and 2 blocks
+    try:
+        ledger = stack.ledger()
+        everything = ledger.alloc(10)
+        assert everything is not None and sorted(everything) == list(range(10))
+        assert ledger.alloc(1) is None and ledger.available() == 0
+        ledger.free(everything)
+        assert stack.pages.stats().in_use == 0 and ledger.available() == 10
+        for _ in range(3):  # a need met by the short page plus a full one gives back nothing
+            got = ledger.alloc(5)
+            assert got is not None
+            assert stack.pages.stats().in_use == len(pages_of(ledger, got))
+            ledger.free(got)
+    finally:
+        stack.close()
+
+
+def test_eviction_order_puts_page_emptying_blocks_first_stably(stack: MemStack) -> None:
+    ledger = stack.ledger()
+    ids = ledger.alloc(8)  # two full pages
+    assert ids is not None
+    p1 = sorted(b for b in ids if ledger.page_of(b) == ledger.page_of(ids[0]))
+    p2 = sorted(b for b in ids if b not in p1)
+    # LRU order: half of page 1, then all of page 2, then the other half of page 1 missing
+    lru = [p1[0], p2[3], p1[1], p2[0], p2[2], p2[1]]
+    assert ledger.eviction_order(lru) == [p2[3], p2[0], p2[2], p2[1], p1[0], p1[1]]
+    assert ledger.eviction_order(lru[:2]) == lru[:2]  # nothing empties a page: unchanged
+    never = 30
+    assert ledger.eviction_order([never, *p2]) == [*p2, never]
+    ledger.free(ledger.eviction_order(lru)[:4])
+    assert stack.pages.state(ledger.page_of(p2[0])) is not PageState.IN_USE
+
+
+def test_a_fenced_free_keeps_the_page_mapped_until_retired(stack: MemStack) -> None:
+    ledger = stack.ledger()
+    ids = ledger.alloc(4)
+    assert ids is not None
+    page = ledger.page_of(ids[0])
+    ledger.free(ids, fence=41)
+    assert stack.pages.flush()
+    assert stack.pages.state(page) is PageState.FENCED and page in stack.mapped_pages()
+    assert stack.pages.retire(41) == 1
+    assert stack.pages.flush()
+    assert page not in stack.mapped_pages()
+
+
+def test_the_ledger_refuses_an_allocator_smaller_than_its_geometry() -> None:
+    small = build_stack(num_blocks=8, blocks_per_page=BPP)
+    big = build_stack(num_blocks=32, blocks_per_page=BPP)
+    try:
+        with pytest.raises(GeometryError, match="covers 2 pages"):
+            BlockLedger(big.geometry, small.pages)
+        with pytest.raises(InvalidTransition, match="reserved blocks"):
+            BlockLedger(small.geometry, small.pages, reserved_blocks=(8,))
+    finally:
+        small.close()
+        big.close()
+
+
+# -- invariants 1 and 4 under a randomized engine-like workload ----------------------------
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["alloc", "finish", "hit", "evict", "abort", "fence", "retire", "flush"]),
+        st.integers(min_value=1, max_value=10),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=OPS,
+    reserve=st.sampled_from([(0, 0), (0, 2), (2, 4)]),
+    layout=st.sampled_from(["compound", "per-layer"]),
+)
+def test_blocks_in_use_stay_mapped_and_keep_their_data(
+    ops: list[tuple[str, int]], reserve: tuple[int, int], layout: str
+) -> None:
+    """Invariant 1: a page is never unmapped while a block on it is allocated (live or
+    cached); data written to a block survives every other page's unmap. Invariant 4: the
+    views' data pointers never change."""
+    stack = build_stack(
+        num_blocks=40,
+        blocks_per_page=BPP,
+        layout="compound" if layout == "compound" else "per-layer",
+        device_pages=8,  # fewer than the 10 pages: misses happen too
+        reserve_min=reserve[0],
+        reserve_max=reserve[1],
+    )
+    try:
+        ledger = stack.ledger(reserved_blocks=(0,))
+        views = [stack.block_bytes_view(layer, buf) for layer in range(2) for buf in range(2)]
+        pointers = [v.data_ptr() for v in views]
+        live: list[int] = []
+        cached: list[int] = []  # the engine's LRU of evictable, still allocated blocks
+        fences: list[int] = []
+        signature: dict[int, int] = {}
+        generation = 0
+
+        def write(blocks: list[int]) -> None:
+            nonlocal generation
+            for b in blocks:
+                generation += 1
+                signature[b] = generation % 250 + 1
+                for i, v in enumerate(views):
+                    v[b].fill_((signature[b] + i) % 256)
+
+        for op, n in ops:
+            if op == "alloc":
+                got = ledger.alloc(n)
+                if got is not None:
+                    assert len(got) == n and not set(got) & set(live + cached)
+                    write(got)
+                    live += got
+            elif op == "finish":  # a request ends; its blocks stay cached
+                cached += live[:n]
+                del live[:n]
+            elif op == "hit":  # a prefix-cache hit takes cached blocks back
+                live += cached[-n:]
+                del cached[-n:]
+            elif op == "evict":
+                order = ledger.eviction_order(cached)
+                assert sorted(order) == sorted(cached)
+                victims = order[:n]
+                ledger.free(victims)
+                cached = [b for b in cached if b not in victims]
+            elif op == "abort":
+                ledger.free(live[:n])
+                del live[:n]
+            elif op == "fence":
+                fences.append(len(fences))
+                ledger.free(live[:n], fence=fences[-1])
+                del live[:n]
+            elif op == "retire" and fences:
+                stack.pages.retire(fences.pop(0))
+            elif op == "flush":
+                assert stack.pages.flush()
+
+            allocated = [*live, *cached]
+            assert ledger.used() == len(allocated) + 1
+            mapped = stack.mapped_pages()
+            for b in [0, *allocated]:
+                page = ledger.page_of(b)
+                assert stack.pages.state(page) is PageState.IN_USE
+                assert page in mapped
+            for b in allocated:
+                for i, v in enumerate(views):
+                    assert bool(torch.all(v[b] == (signature[b] + i) % 256)), (op, b, i)
+        assert [v.data_ptr() for v in views] == pointers
+        assert stack.pages.flush()
+        for p in range(stack.geometry.num_pages):  # unbacked pages read the zero page
+            if stack.pages.state(p) is PageState.FREE:
+                blocks = list(stack.geometry.blocks_of(p))
+                assert all(not bool(v[blocks].any()) for v in views)
+    finally:
+        stack.close()

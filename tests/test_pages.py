@@ -1,0 +1,381 @@
+"""PageAllocator on the real host backend: states, reserve, gate, faults, fences, fail-stop."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from kvcore.accounting import BudgetGate, UnlimitedGate
+from kvcore.errors import InvalidTransition, PoolFailed
+from kvcore.pages import TRANSITIONS, PageAllocator, PageState
+from tests.memstack import MemStack, build_stack
+
+S = PageState
+
+
+@pytest.fixture
+def stack() -> Iterator[MemStack]:
+    s = build_stack(reserve_max=2)
+    yield s
+    s.close()
+
+
+def states(stack: MemStack, ids: list[int]) -> list[PageState]:
+    return [stack.pages.state(p) for p in ids]
+
+
+def test_acquire_maps_release_parks_up_to_the_reserve_and_unmaps_the_rest(
+    stack: MemStack,
+) -> None:
+    ids = stack.pages.acquire(3)
+    assert ids is not None and len(set(ids)) == 3
+    assert states(stack, ids) == [S.IN_USE] * 3
+    assert stack.mapped_pages() == set(ids)
+
+    stack.pages.release(ids)
+    assert stack.pages.flush()
+    st = stack.pages.stats()
+    assert (st.reserved, st.in_use, st.mapped, st.unmap_pending) == (2, 0, 2, 0)
+    assert sorted(states(stack, ids)) == [S.FREE, S.RESERVED, S.RESERVED]
+    assert stack.mapped_pages() == {p for p in ids if stack.pages.state(p) is S.RESERVED}
+
+
+def test_reserved_pages_are_handed_out_again_without_a_mapper_call(stack: MemStack) -> None:
+    ids = stack.pages.acquire(2)
+    assert ids is not None
+    stack.pages.release(ids)
+    before = stack.pages.stats().caller_mapper_calls
+    again = stack.pages.acquire(2)
+    assert sorted(again or []) == sorted(ids)
+    assert stack.pages.stats().caller_mapper_calls == before
+
+
+def test_illegal_transitions_raise_naming_the_page_and_change_nothing(stack: MemStack) -> None:
+    ids = stack.pages.acquire(2)
+    assert ids is not None
+    a, b = ids
+    free_page = next(p for p in range(stack.pages.num_pages) if stack.pages.state(p) is S.FREE)
+    with pytest.raises(InvalidTransition, match=f"page {free_page}: in state FREE") as err:
+        stack.pages.release([a, free_page])
+    assert err.value.ids == (free_page,)
+    with pytest.raises(InvalidTransition, match="named twice"):
+        stack.pages.release([a, b, a])
+    with pytest.raises(InvalidTransition, match="out of range"):
+        stack.pages.release([stack.pages.num_pages])
+    assert states(stack, [a, b]) == [S.IN_USE, S.IN_USE]  # every failed call changed nothing
+
+    stack.pages.release([a])
+    with pytest.raises(InvalidTransition, match="RESERVED"):
+        stack.pages.release([a])  # double release
+    with pytest.raises(InvalidTransition, match="IN_USE"):
+        stack.pages.acquire_ids([b])
+    assert stack.pages.acquire_ids([a]) and stack.pages.state(a) is S.IN_USE
+    assert stack.pages.acquire_ids([free_page]) and stack.pages.state(free_page) is S.IN_USE
+    assert free_page in stack.mapped_pages()
+
+
+def test_the_transition_table_is_the_design_state_machine() -> None:
+    # DESIGN.md section 5: free -> mapped(in use) -> reserved -> unmapped, plus quarantine
+    assert (S.FREE, S.IN_USE) not in TRANSITIONS  # a page is mapped before it is in use
+    assert (S.RESERVED, S.FREE) not in TRANSITIONS  # unmapping goes through UNMAPPING
+    assert (S.IN_USE, S.FREE) not in TRANSITIONS
+    assert not any(frm is S.QUARANTINED for frm, _ in TRANSITIONS)  # quarantine is final
+    assert {to for frm, to in TRANSITIONS if frm is S.UNMAPPING} == {
+        S.FREE,
+        S.RESERVED,
+        S.QUARANTINED,
+    }
+
+
+def test_background_thread_refills_and_the_allocating_thread_makes_no_driver_call() -> None:
+    stack = build_stack(reserve_min=2, reserve_max=4)
+    try:
+        assert stack.pages.flush()
+        assert stack.pages.stats().reserved == 2
+        me = threading.get_ident()
+        stack.vmm.reset_counts()
+        for _ in range(300):
+            ids = stack.pages.acquire(1)
+            assert ids is not None
+            stack.pages.release(ids)
+        for _ in range(20):  # bursts deeper than reserve_min, still covered by the reserve
+            ids = stack.pages.acquire(2)
+            assert ids is not None
+            stack.pages.release(ids)
+            assert stack.pages.flush()
+        st = stack.pages.stats()
+        assert stack.vmm.calls(thread=me) == 0
+        assert st.caller_mapper_calls == 0
+        assert st.refill_mapper_calls > 0 and 2 <= st.reserved <= 4
+    finally:
+        stack.close()
+
+
+def test_a_reserve_shortfall_maps_on_the_calling_thread() -> None:
+    stack = build_stack(reserve_min=1, reserve_max=1)
+    try:
+        assert stack.pages.flush()
+        ids = stack.pages.acquire(3)
+        assert ids is not None and len(ids) == 3
+        assert stack.pages.stats().caller_mapper_calls == 1
+        assert set(ids) <= stack.mapped_pages()
+    finally:
+        stack.close()
+
+
+def test_gate_refusal_is_a_miss_with_nothing_mapped() -> None:
+    gate = BudgetGate(limit=0)
+    stack = build_stack(gate=gate)
+    try:
+        gate.limit = 2 * stack.pages.page_bytes
+        assert stack.pages.acquire(3) is None
+        st = stack.pages.stats()
+        assert (st.mapped, st.misses, gate.held) == (0, 1, 0)
+        assert stack.mapped_pages() == set()
+        ids = stack.pages.acquire(2)
+        assert ids is not None and gate.held == 2 * stack.pages.page_bytes
+        assert stack.pages.acquire(1) is None
+    finally:
+        stack.close()
+    assert gate.held == 0
+
+
+def test_out_of_device_memory_is_a_miss_and_leaks_nothing() -> None:
+    stack = build_stack(device_pages=3)
+    try:
+        handles = set(stack.vmm.live_handles)  # the zero page
+        assert stack.pages.acquire(4) is None
+        assert stack.vmm.live_handles == handles
+        assert stack.mapped_pages() == set() and stack.pages.stats().mapped == 0
+        ids = stack.pages.acquire(3)
+        assert ids is not None and stack.mapped_pages() == set(ids)
+        assert stack.pages.acquire(1) is None
+    finally:
+        stack.close()
+
+
+def test_refill_thread_backs_off_on_out_of_device_memory() -> None:
+    stack = build_stack(device_pages=2, reserve_min=4, reserve_max=4)
+    try:
+        assert stack.pages.flush()
+        st = stack.pages.stats()
+        assert st.reserved == 0 and st.free == stack.pages.num_pages  # a batch of 4 missed
+        assert stack.pages.acquire(2) is not None  # the calling thread still gets what fits
+        assert not stack.pages.stats().failed
+    finally:
+        stack.close()
+
+
+def test_map_failing_mid_batch_is_a_miss_with_everything_rolled_back(stack: MemStack) -> None:
+    handles = set(stack.vmm.live_handles)
+    stack.vmm.fail("map", nth=2)  # the second page of the batch
+    assert stack.pages.acquire(3) is None
+    assert stack.vmm.live_handles == handles
+    assert stack.mapped_pages() == set()
+    st = stack.pages.stats()
+    assert (st.mapped, st.quarantined, st.free) == (0, 0, stack.pages.num_pages)
+    assert stack.pages.acquire(3) is not None
+
+
+def test_a_failed_rollback_quarantines_the_page_and_capacity_shrinks(stack: MemStack) -> None:
+    # page 2's map fails, then re-mapping its zero page fails too: its state is unknown
+    stack.vmm.fail("map", nth=2, times=2)
+    assert stack.pages.acquire(2) is None
+    st = stack.pages.stats()
+    assert st.quarantined == 1 and st.mapped == 0 and not st.failed
+    bad = next(p for p in range(stack.pages.num_pages) if stack.pages.state(p) is S.QUARANTINED)
+    rest = stack.pages.acquire(stack.pages.num_pages - 1)
+    assert rest is not None and bad not in rest  # every other page is still usable
+    assert stack.pages.acquire(1) is None  # the quarantined one is never handed out
+    with pytest.raises(InvalidTransition):
+        stack.pages.acquire_ids([bad])
+
+
+def test_unmap_failing_keeps_the_page_mapped_and_a_later_round_unmaps_it() -> None:
+    stack = build_stack(reserve_max=0)
+    try:
+        ids = stack.pages.acquire(1)
+        assert ids is not None
+        stack.vmm.fail("unmap")  # the background prepare_unmap fails and is rolled back
+        stack.pages.release(ids)
+        assert stack.pages.flush()
+        assert stack.vmm.injected == 1
+        assert stack.pages.state(ids[0]) is S.FREE  # retried after retry_interval
+        assert stack.mapped_pages() == set()
+        st = stack.pages.stats()
+        assert (st.quarantined, st.mapped, st.failed) == (0, 0, False)
+    finally:
+        stack.close()
+
+
+def test_handle_release_failing_after_unmap_frees_the_page_and_leaks_nothing() -> None:
+    stack = build_stack(reserve_max=0)
+    try:
+        ids = stack.pages.acquire(1)
+        assert ids is not None
+        stack.vmm.fail("release")  # commit_unmap's release fails; mapper retries at close
+        stack.pages.release(ids)
+        assert stack.pages.flush()
+        assert stack.vmm.injected == 1
+        assert stack.pages.state(ids[0]) is S.FREE and stack.mapped_pages() == set()
+        assert stack.pages.acquire(1) is not None
+    finally:
+        stack.close()  # asserts no live handle is left
+
+
+def test_an_unknown_mapper_state_fails_the_allocator_for_good(stack: MemStack) -> None:
+    ids = stack.pages.acquire(1)
+    assert ids is not None
+    stack.vmm.fail("map", exc=RuntimeError("driver lost the context"))
+    with pytest.raises(PoolFailed, match="driver lost the context"):
+        stack.pages.acquire(2)
+    assert stack.pages.stats().failed
+    for call in (
+        lambda: stack.pages.acquire(1),
+        lambda: stack.pages.release(ids),
+        lambda: stack.pages.retire(1),
+        stack.pages.trim,
+        stack.pages.available,
+    ):
+        with pytest.raises(PoolFailed):
+            call()
+
+
+def test_a_fenced_release_stays_mapped_until_its_fence_retires(stack: MemStack) -> None:
+    ids = stack.pages.acquire(3)
+    assert ids is not None
+    stack.pages.release(ids[:2], fence=("step", 7))
+    stack.pages.release(ids[2:], fence=("step", 8))
+    assert stack.pages.flush()
+    st = stack.pages.stats()
+    assert (st.fenced, st.pending_fences, st.mapped) == (3, 2, 3)
+    assert set(ids) == stack.mapped_pages()
+    assert stack.pages.retire(("step", 99)) == 0
+    assert stack.pages.retire(("step", 7)) == 2
+    assert stack.pages.retire(("step", 7)) == 0
+    assert stack.pages.flush()
+    st = stack.pages.stats()
+    assert (st.fenced, st.pending_fences, st.reserved, st.mapped) == (1, 1, 2, 3)
+    assert stack.pages.retire(("step", 8)) == 1
+    assert stack.pages.flush()
+    assert stack.pages.stats().mapped == 2  # the reserve holds 2; the third was unmapped
+    with pytest.raises(InvalidTransition, match=r"RESERVED|FREE"):
+        stack.pages.release(ids[2:])
+
+
+def test_trim_drops_the_reserve_until_demand_returns() -> None:
+    gate = UnlimitedGate()
+    stack = build_stack(gate=gate, reserve_min=2, reserve_max=3)
+    try:
+        assert stack.pages.flush() and stack.pages.stats().reserved == 2
+        assert stack.pages.trim() == 2
+        assert stack.pages.flush()
+        st = stack.pages.stats()
+        assert (st.reserved, st.mapped, gate.held, gate.reserve) == (0, 0, 0, 0)
+        assert stack.mapped_pages() == set()
+        assert stack.pages.acquire(1) is not None  # demand resumes the refill
+        assert stack.pages.flush() and stack.pages.stats().reserved == 2
+        assert gate.reserve == 2 * stack.pages.page_bytes
+    finally:
+        stack.close()
+
+
+class _OnePageReserve(UnlimitedGate):
+    def reserve_target(self, wanted: int) -> int:
+        return min(wanted, self.page_bytes)
+
+    page_bytes = 0
+
+
+def test_the_gate_reserve_target_caps_the_reserve() -> None:
+    gate = _OnePageReserve()
+    stack = build_stack(gate=gate, reserve_max=4)
+    try:
+        gate.page_bytes = stack.pages.page_bytes
+        ids = stack.pages.acquire(3)
+        assert ids is not None
+        assert stack.pages.flush()  # the thread read the gate's target
+        stack.pages.release(ids)
+        assert stack.pages.flush()
+        st = stack.pages.stats()
+        assert (st.reserved, st.mapped) == (1, 1)
+        assert gate.held == gate.reserve == stack.pages.page_bytes
+    finally:
+        stack.close()
+
+
+def test_available_counts_reserve_free_pages_and_gate_headroom() -> None:
+    stack = build_stack(reserve_max=2)
+    try:
+        n = stack.pages.num_pages
+        assert stack.pages.available() == n
+        ids = stack.pages.acquire(3)
+        assert ids is not None and stack.pages.available() == n - 3
+        stack.pages.release(ids)
+        assert stack.pages.available() == n
+    finally:
+        stack.close()
+
+
+def test_close_unmaps_everything_and_returns_every_byte_to_the_gate() -> None:
+    gate = UnlimitedGate()
+    stack = build_stack(gate=gate, reserve_min=2, reserve_max=2)
+    assert stack.pages.flush()
+    ids = stack.pages.acquire(5)
+    assert ids is not None
+    stack.pages.release(ids[:1], fence=1)
+    assert gate.held > 0
+    stack.pages.close()
+    assert stack.mapped_pages() == set() and gate.held == 0
+    with pytest.raises(PoolFailed, match="closed"):
+        stack.pages.acquire(1)
+    stack.pages.close()  # idempotent
+    stack.close()
+
+
+def test_concurrent_acquire_and_release_keep_the_books_straight() -> None:
+    stack = build_stack(num_blocks=128, reserve_min=2, reserve_max=6)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            held: list[int] = []
+            for i in range(300):
+                if i % 3 != 2:
+                    got = stack.pages.acquire(1 + i % 2)
+                    if got is not None:
+                        held += got
+                elif held:
+                    stack.pages.release(held[: len(held) // 2 + 1])
+                    del held[: len(held) // 2 + 1]
+            stack.pages.release(held)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert stack.pages.flush()
+        st = stack.pages.stats()
+        assert (st.in_use, st.failed) == (0, False)
+        assert st.mapped == st.reserved == len(stack.mapped_pages())
+    finally:
+        stack.close()
+
+
+def test_bounds_are_checked() -> None:
+    stack = build_stack()
+    try:
+        with pytest.raises(ValueError, match="reserve_min"):
+            PageAllocator(stack.mapper, reserve_min=3, reserve_max=2)
+        with pytest.raises(ValueError):
+            stack.pages.acquire(-1)
+        assert stack.pages.acquire(0) == []
+    finally:
+        stack.close()
