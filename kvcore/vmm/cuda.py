@@ -27,7 +27,8 @@ import threading
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from kvcore.errors import BackendUnavailable, OutOfDeviceMemory, VmmError
+from kvcore.errors import BackendUnavailable, VmmError
+from kvcore.vmm._driver import code_name, device_tensor, unpack
 from kvcore.vmm.base import Handle, MemInfo, VmmBackend
 
 try:
@@ -50,31 +51,11 @@ _REFUSED = frozenset(
 )
 
 
-def _code_name(err: Any) -> str:
-    name = getattr(err, "name", None)
-    if isinstance(name, str):
-        return name
-    try:  # pragma: no cover - older bindings without enum names
-        res, text = _drv.cuGetErrorName(err)
-        if res == _SUCCESS:
-            return text.decode() if isinstance(text, bytes) else str(text)
-    except Exception:
-        pass
-    return str(err)
-
-
 def _check(call: str, args: dict[str, object], result: Any) -> Any:
-    """Unpack ``(CUresult, *values)``: raise on failure, return the value(s)."""
-    if isinstance(result, tuple):
-        err, values = result[0], result[1:]
-    else:  # pragma: no cover - defensive: a bare CUresult
-        err, values = result, ()
-    if err != _SUCCESS:
-        cls = OutOfDeviceMemory if err == _OOM and call == "cuMemCreate" else VmmError
-        raise cls(call, args, _code_name(err))
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else values
+    """Unpack ``(CUresult, *values)``; a failure raises ``VmmError`` (``OutOfDeviceMemory``
+    for ``CUDA_ERROR_OUT_OF_MEMORY`` from ``cuMemCreate``)."""
+    oom = _OOM if call == "cuMemCreate" else None
+    return unpack(call, args, result, success=_SUCCESS, oom=oom)
 
 
 class CudaBackend(VmmBackend):
@@ -208,7 +189,7 @@ class CudaBackend(VmmBackend):
             log.warning(
                 "kvcore cuda: the driver refused read-only access (%s); mapping the zero page "
                 "read-write instead (use sanity mode to catch stray writes)",
-                _code_name(result[0]),
+                code_name(result[0]),
             )
             self.read_only_supported = False
             desc = self._access_desc(rw)
@@ -225,11 +206,8 @@ class CudaBackend(VmmBackend):
         _check("cuCtxSynchronize", {}, _drv.cuCtxSynchronize())
 
     def as_tensor(self, va: int, size: int, dtype: torch.dtype) -> torch.Tensor:
-        import torch
-
         self._make_current()
-        raw = torch.as_tensor(_CudaArray(va, size), device=f"cuda:{self.device}")
-        return raw.view(dtype)
+        return device_tensor(va, size, dtype, f"cuda:{self.device}")
 
     def close(self) -> None:
         """Release the handles this backend still tracks and the primary context. Mappings
@@ -245,7 +223,7 @@ class CudaBackend(VmmBackend):
             result = _drv.cuMemRelease(obj)
             if result[0] != _SUCCESS:
                 log.warning(
-                    "kvcore cuda: cuMemRelease(%#x) at close: %s", key, _code_name(result[0])
+                    "kvcore cuda: cuMemRelease(%#x) at close: %s", key, code_name(result[0])
                 )
         _drv.cuDevicePrimaryCtxRelease(self._dev)
 
@@ -307,17 +285,3 @@ class CudaBackend(VmmBackend):
         if isinstance(raw, str):  # pragma: no cover - bindings that hand back a str
             raw = raw.encode("latin-1")
         return f"GPU-{uuid.UUID(bytes=bytes(raw[:16]))}"
-
-
-class _CudaArray:
-    """``__cuda_array_interface__`` (v3) of ``size`` bytes at ``va``: what
-    ``torch.as_tensor`` wraps without a copy."""
-
-    def __init__(self, va: int, size: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (size,),
-            "typestr": "|u1",
-            "data": (va, False),
-            "strides": None,
-            "version": 3,
-        }
