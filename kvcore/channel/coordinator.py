@@ -28,8 +28,11 @@ page ids to every worker, then gathers the replies (workers apply in parallel). 
     every worker restores the pages -> mapped.
 
 Failures that leave no page mapped on some workers only are raised and the channel goes
-on. A rollback (undo or abort) that fails on some worker quarantines the pages
-(``PageQuarantined`` with ``page_ids``; ``map`` refuses them from then on). Anything the
+on. A rollback (undo or abort) that fails on a worker with a driver error is sent to it
+once more; if it fails again (or the worker's own rollback quarantined them), the pages are
+quarantined (``PageQuarantined`` with ``page_ids``; ``map`` refuses them from then on). A
+quarantined page may be left mapped on some workers: it is never handed out again, and
+its memory returns when the workers close. Anything the
 coordinator cannot vouch for -- a worker whose connection closed, broke, sent a malformed
 frame, or stayed silent through a rollback; a worker reporting ``PoolFailed`` or an
 unexpected exception; a commit not completed everywhere -- fails the channel: it closes
@@ -251,7 +254,7 @@ class ChannelCoordinator:
                 self._set(pages, PageState.MAPPED)
                 return
             reachable = [r for r in self._ranks() if r not in first.lost]
-            undo = self._exchange({r: [Request(Op.UNDO_MAP, txn)] for r in reachable})
+            undo = self._rollback({r: [Request(Op.UNDO_MAP, txn)] for r in reachable})
             self._settle("map", pages, first, undo)
 
     def prepare_unmap(self, page_ids: Sequence[int]) -> None:
@@ -268,7 +271,7 @@ class ChannelCoordinator:
                 self._prepared_txn.update(dict.fromkeys(pages, txn))
                 return
             reachable = [r for r in self._ranks() if r not in first.lost]
-            abort = self._exchange({r: [Request(Op.ABORT, txn, pages)] for r in reachable})
+            abort = self._rollback({r: [Request(Op.ABORT, txn, pages)] for r in reachable})
             self._settle("prepare_unmap", pages, first, abort)
 
     def commit_unmap(self, page_ids: Sequence[int]) -> None:
@@ -294,7 +297,7 @@ class ChannelCoordinator:
             if not groups:
                 return
             requests = [Request(Op.ABORT, txn, pages) for txn, pages in groups.items()]
-            result = self._exchange({w.rank: list(requests) for w in self._workers})
+            result = self._rollback({w.rank: list(requests) for w in self._workers})
             pages = tuple(p for group in groups.values() for p in group)
             for page in pages:
                 del self._prepared_txn[page]
@@ -440,6 +443,28 @@ class ChannelCoordinator:
             pending.pop(rank, None)
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(worker.sock)
+
+    def _rollback(self, requests: dict[int, list[Request]]) -> _Round:
+        """``_exchange`` for a rollback (undo, abort): a rank whose rollback failed with a
+        driver error gets it once more (the worker's log makes the retry apply only what
+        is still undone); the second answer counts."""
+        result = self._exchange(requests)
+        retry = {
+            rank: requests[rank] for rank, err in result.errors().items() if err.type in _VMM_ERRORS
+        }
+        if not retry:
+            return result
+        log.warning("retrying a failed rollback on ranks %s", sorted(retry))
+        again = self._exchange(retry)
+        for rank in retry:
+            result.replies.pop(rank, None)
+            if rank in again.lost:
+                result.lost[rank] = again.lost[rank]
+            elif rank in again.timed_out:
+                result.timed_out.add(rank)
+            else:
+                result.replies[rank] = again.replies[rank]
+        return result
 
     def _lost(self, rank: int, why: str) -> WorkerLost:
         return WorkerLost(

@@ -17,6 +17,10 @@ answered with an error reply, closed, and counted in ``rejected``. The session t
 for the instance's life: requests are applied in order, one at a time, each answered with a
 ``Reply``. A malformed frame on the session ends it (the coordinator fails its pool).
 
+``UNDO_MAP`` is ``prepare_unmap`` then ``commit_unmap``; once the prepare succeeded the
+pages are unmapped, so a failing commit (a handle release, which ``PageMapper`` retries
+idempotently later) is logged, not reported.
+
 A ``CLOSE`` request closes the mapper (every page unmapped and released), answers, and
 stops the listener. When the session ends without ``CLOSE`` (the engine process died or
 failed its pool), the listener keeps the mapper as it is and goes back to accepting: the
@@ -257,7 +261,10 @@ class WorkerListener:
             mapper.map(pages)
         elif op is Op.UNDO_MAP:
             mapper.prepare_unmap(pages)
-            mapper.commit_unmap(pages)
+            try:
+                mapper.commit_unmap(pages)
+            except KvcoreError as exc:  # the mappings are gone; only a release failed
+                log.warning("rank %d: undo released pages incompletely: %s", self.rank, exc)
         elif op is Op.PREPARE:
             mapper.prepare_unmap(pages)
         elif op is Op.COMMIT:

@@ -1,0 +1,138 @@
+"""The wire schema: every message round-trips, and every malformed frame is refused with
+the typed error the module documents, before an oversized body is read."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+
+import pytest
+
+from kvcore.channel.messages import (
+    HEADER_BYTES,
+    MAGIC,
+    SCHEMA_VERSION,
+    FrameReader,
+    Hello,
+    Kind,
+    Op,
+    RemoteError,
+    Reply,
+    Request,
+    Welcome,
+    encode,
+    recv_message,
+)
+from kvcore.errors import MalformedMessage, OversizedMessage, VersionMismatch
+
+MESSAGES = [
+    Hello(rank=3, world_size=4, instance="ch-1-2"),
+    Welcome(rank=3, pid=1234, num_pages=70_000, page_bytes=2 << 20),
+    Request(Op.MAP, txn=7, pages=(0, 5, 69_999)),
+    Request(Op.UNDO_MAP, txn=7),
+    Reply(Op.PREPARE, txn=9),
+    Reply(
+        Op.MAP,
+        txn=10,
+        error=RemoteError("OutOfDeviceMemory", "no memory", "wait", (), "create", "2"),
+    ),
+    Reply(Op.ABORT, txn=11, error=RemoteError("PageQuarantined", "x", page_ids=(4, 5))),
+]
+
+
+def frame(kind: int, body: object, *, version: int = SCHEMA_VERSION, magic: bytes = MAGIC) -> bytes:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return struct.pack("!4sHBBI", magic, version, kind, 0, len(raw)) + raw
+
+
+def decode_all(data: bytes, max_bytes: int = 1 << 20) -> list[object]:
+    reader = FrameReader(max_bytes=max_bytes)
+    reader.feed(data)
+    out = []
+    while (m := reader.pop()) is not None:
+        out.append(m)
+    return out
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(message: object) -> None:
+    assert decode_all(encode(message)) == [message]  # type: ignore[arg-type]
+
+
+def test_reader_reassembles_frames_split_anywhere() -> None:
+    stream = b"".join(encode(m) for m in MESSAGES)
+    reader = FrameReader()
+    got = []
+    for i in range(0, len(stream), 7):
+        reader.feed(stream[i : i + 7])
+        while (m := reader.pop()) is not None:
+            got.append(m)
+    assert got == MESSAGES
+    assert not reader.mid_frame
+
+
+@pytest.mark.parametrize(
+    ("data", "error", "text"),
+    [
+        (frame(3, {}, magic=b"HTTP"), MalformedMessage, "magic"),
+        (frame(3, {}, version=SCHEMA_VERSION + 1), VersionMismatch, "schema version"),
+        (frame(99, {}), MalformedMessage, "unknown kind"),
+        (frame(3, b"\xff\xfe not json"), MalformedMessage, "not UTF-8 JSON"),
+        (frame(3, [1, 2]), MalformedMessage, "not an object"),
+        (frame(3, {"op": 1, "txn": 1}), MalformedMessage, "expected"),
+        (frame(3, {"op": 1, "txn": 1, "pages": [1], "x": 0}), MalformedMessage, "expected"),
+        (frame(3, {"op": 42, "txn": 1, "pages": []}), MalformedMessage, "not an operation"),
+        (frame(3, {"op": 1, "txn": -1, "pages": []}), MalformedMessage, "non-negative"),
+        (frame(3, {"op": 1, "txn": True, "pages": []}), MalformedMessage, "non-negative"),
+        (frame(3, {"op": 1, "txn": 1, "pages": ["0"]}), MalformedMessage, "non-negative"),
+        (frame(3, {"op": 1, "txn": 1, "pages": 5}), MalformedMessage, "list of ids"),
+        (frame(1, {"rank": 0, "world_size": 1, "instance": 5}), MalformedMessage, "string"),
+        (
+            frame(4, {"op": 1, "txn": 1, "error": {"type": "X"}}),
+            MalformedMessage,
+            "expected",
+        ),
+    ],
+)
+def test_malformed_frames_are_refused(data: bytes, error: type[Exception], text: str) -> None:
+    with pytest.raises(error, match=text):
+        decode_all(data)
+
+
+def test_wrong_version_is_its_own_type_with_a_hint() -> None:
+    with pytest.raises(VersionMismatch) as info:
+        decode_all(frame(3, {}, version=0))
+    assert "same kvcore version" in info.value.hint
+
+
+def test_oversized_frame_is_refused_from_its_header_alone() -> None:
+    header = struct.pack("!4sHBBI", MAGIC, SCHEMA_VERSION, Kind.REQUEST, 0, 1 << 30)
+    reader = FrameReader(max_bytes=4096)
+    reader.feed(header)  # no body at all: the header is enough to refuse
+    with pytest.raises(OversizedMessage, match="over the 4096-byte cap"):
+        reader.pop()
+    assert len(header) == HEADER_BYTES
+
+
+def test_reserved_byte_must_be_zero() -> None:
+    raw = bytearray(encode(Request(Op.MAP, 1, (1,))))
+    raw[7] = 1
+    with pytest.raises(MalformedMessage, match="reserved byte"):
+        decode_all(bytes(raw))
+
+
+def test_recv_message_tells_clean_close_from_truncation() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(encode(MESSAGES[0]))
+        a.shutdown(socket.SHUT_WR)
+        reader = FrameReader()
+        assert recv_message(b, reader) == MESSAGES[0]
+        assert recv_message(b, reader) is None
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(encode(MESSAGES[2])[:-3])
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(MalformedMessage, match="middle of a frame"):
+            recv_message(b, FrameReader())
