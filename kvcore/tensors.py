@@ -109,7 +109,13 @@ class VirtualKVCache:
             self._probe_va = backend.reserve(gran)
             reserved.append((self._probe_va, gran))
             self._zero = backend.create(gran)
-            for va, sz in reserved:
+            # fresh device memory is not guaranteed to be zero: clear it through the probe
+            backend.map(self._probe_va, gran, self._zero)
+            backend.set_access(self._probe_va, gran, writable=True)
+            backend.as_tensor(self._probe_va, gran, torch.uint8).zero_()
+            backend.synchronize()
+            backend.set_access(self._probe_va, gran, writable=sanity)
+            for va, sz in reserved[:-1]:
                 self._map_zero_range(va, sz)
         except BaseException:
             try:
