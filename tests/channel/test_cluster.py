@@ -6,11 +6,31 @@ check no page is mapped on some workers only."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+import stat
+import struct
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kvcore.channel import PageState
+from kvcore.channel.messages import (
+    MAGIC,
+    SCHEMA_VERSION,
+    FrameReader,
+    Hello,
+    Kind,
+    Message,
+    Op,
+    RemoteError,
+    Reply,
+    Request,
+    encode,
+    recv_message,
+)
 from kvcore.errors import (
     ChannelError,
     InjectedFault,
@@ -19,6 +39,7 @@ from kvcore.errors import (
     PageQuarantined,
     PoolFailed,
 )
+from kvcore.pages import PageAllocator
 from tests.channel.cluster import NUM_PAGES, Cluster, Topology, page_bytes_for
 
 pytestmark = pytest.mark.slow
@@ -117,6 +138,28 @@ def tp2() -> Iterator[Cluster]:
         yield cluster
 
 
+def test_page_allocator_drives_every_worker(tp2: Cluster) -> None:
+    """The page allocator uses the coordinator exactly like a local mapper: its refill
+    thread maps the reserve on every worker, acquire/release move pages, close unmaps."""
+    allocator = PageAllocator(tp2.coordinator, reserve_min=2, reserve_max=3)
+    try:
+        assert allocator.flush()
+        assert assert_consistent(tp2).count("mapped") == 2  # refilled off the caller thread
+        pages = allocator.acquire(3)
+        assert pages is not None
+        for rank in (0, 1):
+            for page in pages:
+                tp2.write(rank, page, 100 + page)
+        assert [tp2.read(1, p) for p in pages] == [[100 + p] for p in pages]
+        allocator.release(pages)
+        assert allocator.flush()
+        assert assert_consistent(tp2).count("mapped") == 3  # reserve_max kept, rest unmapped
+        assert allocator.stats().refill_mapper_calls > 0
+    finally:
+        allocator.close()
+    assert assert_consistent(tp2) == ["unbacked"] * NUM_PAGES
+
+
 def test_worker_error_on_map_is_rolled_back_everywhere(tp2: Cluster) -> None:
     coordinator = tp2.coordinator
     coordinator.map([0])
@@ -195,6 +238,99 @@ def test_slow_worker_times_out_and_is_rolled_back(tp2: Cluster) -> None:
         unmap_all(tp2)
     finally:
         coordinator.timeout = 20.0
+
+
+def _rogue(path: Path, data: bytes) -> list[Message]:
+    """Connect to a worker socket as a stranger, send ``data``, collect what comes back
+    until the worker closes the connection."""
+    got: list[Message] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(15)
+        sock.connect(str(path))
+        with contextlib.suppress(BrokenPipeError):  # refused before it read everything
+            sock.sendall(data)
+        reader = FrameReader()
+        with contextlib.suppress(ConnectionResetError):
+            while (message := recv_message(sock, reader)) is not None:
+                got.append(message)
+    return got
+
+
+def _refusal(got: list[Message]) -> RemoteError:
+    assert len(got) == 1 and isinstance(got[0], Reply) and got[0].error is not None, got
+    return got[0].error
+
+
+def _header(version: int, kind: int, length: int) -> bytes:
+    return struct.pack("!4sHBBI", MAGIC, version, kind, 0, length)
+
+
+@pytest.mark.parametrize(
+    ("data", "error"),
+    [
+        (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "MalformedMessage"),
+        (_header(SCHEMA_VERSION, Kind.HELLO, 1 << 30), "OversizedMessage"),
+        (_header(SCHEMA_VERSION + 7, Kind.HELLO, 2) + b"{}", "VersionMismatch"),
+        (encode(Request(Op.MAP, 1, (0,))), "MalformedMessage"),  # no handshake first
+        (encode(Hello(rank=1, world_size=2, instance="x")), "PeerRejected"),  # wrong rank
+        (encode(Hello(rank=0, world_size=2, instance="x")), "PeerRejected"),  # 2nd session
+    ],
+    ids=["garbage", "oversized", "wrong-version", "no-hello", "wrong-rank", "second-session"],
+)
+def test_stranger_connections_are_refused_and_the_session_goes_on(
+    tp2: Cluster, data: bytes, error: str
+) -> None:
+    before, sessions, _ = tp2.listener(0)
+    assert _refusal(_rogue(tp2.socket(0), data)).type == error
+    rejected, sessions_after, closed = tp2.listener(0)
+    assert len(rejected) == len(before) + 1 and rejected[-1].startswith(error)
+    assert (sessions_after, closed) == (sessions, False)
+    tp2.coordinator.map([2])  # the coordinator's session is untouched
+    assert assert_consistent(tp2)[2] == "mapped"
+    unmap_all(tp2)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a child as another uid")
+def test_connection_from_another_uid_is_refused(tp2: Cluster) -> None:
+    nobody = 65534
+    path = tp2.socket(0)
+
+    def connect_as_nobody() -> str:
+        pid = os.fork()
+        if pid == 0:  # child: become nobody, try to speak to rank 0
+            code = 9
+            try:
+                os.setgroups([])
+                os.setgid(nobody)
+                os.setuid(nobody)
+                try:
+                    got = _rogue(path, encode(Hello(rank=0, world_size=2, instance="x")))
+                except PermissionError:
+                    code = 1
+                else:
+                    code = 2 if _refusal(got).type == "PeerRejected" else 3
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        return {1: "no access", 2: "peer rejected"}.get(os.waitstatus_to_exitcode(status), "?")
+
+    # First line of defence: the 0700 directory keeps other users from the socket at all.
+    assert connect_as_nobody() == "no access"
+    # Second line: open the path up on purpose; SO_PEERCRED still refuses the stranger.
+    opened = [tp2.base, tp2.directory.path.parent, tp2.directory.path, path]
+    modes = {p: stat.S_IMODE(p.stat().st_mode) for p in opened}
+    try:
+        for p in opened:
+            os.chmod(p, 0o777 if p == path else 0o711)
+        assert connect_as_nobody() == "peer rejected"
+    finally:
+        for p, mode in modes.items():
+            os.chmod(p, mode)
+    rejected, _, _ = tp2.listener(0)
+    assert f"uid {nobody}" in rejected[-1]
+    tp2.coordinator.map([3])
+    assert assert_consistent(tp2)[3] == "mapped"
+    unmap_all(tp2)
 
 
 def test_stuck_worker_fails_the_pool(tp2: Cluster) -> None:
