@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcore.errors import (
+    GeometryError,
     InvalidTransition,
     KvcoreError,
     PageQuarantined,
@@ -79,7 +80,7 @@ class VirtualKVCache:
     ) -> None:
         gran = backend.granularity()
         if geometry.page_bytes % gran:
-            raise KvcoreError(
+            raise GeometryError(
                 f"page_bytes={geometry.page_bytes} is not a multiple of the {backend.name} "
                 f"backend's granularity {gran}",
                 hint=f"build the KVGeometry with granularity={gran}",
@@ -91,9 +92,7 @@ class VirtualKVCache:
         self.granularity = gran
         self._closed = False
         self._bases: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-        n_ranges = (
-            geometry.num_layers * geometry.kv_buffers if geometry.layout == "per-layer" else 1
-        )
+        n_ranges = geometry.handles_per_page  # one range per handle of a page id
         size = geometry.range_bytes
         self.ranges: tuple[tuple[int, int], ...] = ()
         """``(va, size)`` of each reserved range: index ``layer * kv_buffers + buffer`` for

@@ -61,8 +61,11 @@ def test_read_only_mapping_reads(backend: VmmBackend) -> None:
     va = backend.reserve(g)
     h = backend.create(g)
     backend.map(va, g, h)
+    backend.set_access(va, g)
+    backend.as_tensor(va, g, torch.uint8).fill_(3)
+    backend.synchronize()
     backend.set_access(va, g, writable=False)
-    assert int(backend.as_tensor(va, g, torch.uint8).sum().item()) == 0
+    assert int(backend.as_tensor(va, g, torch.uint8).sum().item()) == 3 * g
     backend.unmap(va, g)
     backend.release(h)
     backend.free_reservation(va, g)
