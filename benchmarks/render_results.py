@@ -1,0 +1,146 @@
+"""Render ``gpu_suite.py``'s ``results.json`` as the Markdown tables of ``docs/benchmarks.md``.
+
+    python benchmarks/render_results.py OUT/results.json            # print
+    python benchmarks/render_results.py OUT/results.json -o run.md  # write a file
+
+One table per figure (ours, baseline, ratio, units, goal), the run's environment (GPU,
+driver, torch, cuda-python, Triton, command, commit, date), the step outcomes and the
+decisions taken (the default layout on CUDA). Only the standard library is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+FIGURES = {
+    "a": "(a) VMM operation cost: kvcore vs raw cuda.bindings",
+    "b": "(b) Paged-KV read bandwidth: kvcore views vs plain torch.empty",
+    "c": "(c) Handoff between two processes sharing the GPU ledger",
+    "d": "(d) Steady-state decode step: allocation overhead and driver calls",
+}
+ENV_KEYS = (
+    ("GPU", "gpu"),
+    ("driver", "driver"),
+    ("CUDA (driver API)", "cuda_driver_api"),
+    ("torch", "torch"),
+    ("torch CUDA", "torch_cuda"),
+    ("cuda-bindings", "cuda-bindings"),
+    ("triton", "triton"),
+    ("python", "python"),
+    ("mode", "mode"),
+    ("command", "command"),
+    ("commit", "commit"),
+    ("date", "date"),
+)
+
+
+def _num(x: Any, digits: int = 4) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return str(x)
+    if isinstance(x, (int, float)):
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def _met(m: Any) -> str:
+    return {True: "yes", False: "**no**"}.get(m, "-")
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """The whole report as Markdown."""
+    meta = results.get("meta", {})
+    lines = ["## Environment", "", "| | |", "|---|---|"]
+    for label, key in ENV_KEYS:
+        if meta.get(key) is not None:
+            value = f"`{meta[key]}`" if key in ("command", "commit") else meta[key]
+            lines.append(f"| {label} | {_cell(value)} |")
+    lines.append("")
+    decisions = results.get("decisions") or {}
+    if decisions:
+        lines += ["## Decisions", ""]
+        for key, dec in decisions.items():
+            summary = dec.get("summary", dec) if isinstance(dec, dict) else dec
+            lines.append(f"- **{key}**: {_cell(summary)}")
+        lines.append("")
+    figures = results.get("figures", [])
+    for fig, title in FIGURES.items():
+        rows = [f for f in figures if f.get("figure") == fig]
+        lines += [f"## {title}", ""]
+        if not rows:
+            lines += ["not yet run", ""]
+            continue
+        lines += [
+            "| figure | ours | baseline | ratio | units | goal | met | notes |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            base = _num(r.get("baseline"))
+            if r.get("baseline_label") and r.get("baseline") is not None:
+                base = f"{base} ({r['baseline_label']})"
+            lines.append(
+                "| "
+                + " | ".join(
+                    _cell(x)
+                    for x in (
+                        r.get("name", ""),
+                        _num(r.get("ours")),
+                        base,
+                        _num(r.get("ratio"), 3),
+                        r.get("units", ""),
+                        r.get("goal", ""),
+                        _met(r.get("met")),
+                        r.get("note", ""),
+                    )
+                )
+                + " |"
+            )
+        lines.append("")
+    steps = results.get("steps", {})
+    if steps:
+        lines += ["## Steps", "", "| step | status | seconds | detail |", "|---|---|---|---|"]
+        for name, rec in steps.items():
+            detail = rec.get("error") or rec.get("reason") or ""
+            if name == "pytest" and rec.get("status") == "ok":
+                d = rec.get("details", {})
+                counts = d.get("counts", {})
+                detail = ", ".join(f"{v} {k}" for k, v in counts.items()) or "no summary line"
+                if d.get("timed_out"):
+                    detail += " (timed out)"
+            lines.append(
+                f"| {name} | {rec.get('status')} | {_num(rec.get('seconds'))} | {_cell(detail)} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", type=Path, help="results.json written by gpu_suite.py")
+    ap.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
+    ap.add_argument(
+        "--commit", help="override the recorded commit (e.g. when the device copy had no .git)"
+    )
+    args = ap.parse_args(argv)
+    results = json.loads(args.results.read_text())
+    if args.commit:
+        results.setdefault("meta", {})["commit"] = args.commit
+    text = render_markdown(results)
+    if args.output:
+        args.output.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

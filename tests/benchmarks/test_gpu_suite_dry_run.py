@@ -1,0 +1,213 @@
+"""The GPU suite's control flow, run on CPU (``benchmarks/gpu_suite.py --dry-run``).
+
+The suite is the one script the lead runs on the H200; a crash there costs scarce device
+time. Here it runs end to end on the ``host`` backend with tiny sizes (no Triton, no raw
+CUDA), and its pure helpers (pytest summary parsing, the layout decision, the Markdown
+renderer) are checked on known inputs. The Triton kernel itself is checked against its torch
+reference in Triton's CPU interpreter where Triton is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def suite() -> ModuleType:
+    return _load("gpu_suite")
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, str]:
+    out = tmp_path_factory.mktemp("gpu-suite")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "gpu_suite.py"),
+            "--dry-run",
+            "--out",
+            str(out),
+            "--budget-s",
+            "240",
+            "--commit",
+            "test",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    results = json.loads((out / "results.json").read_text())
+    return results, (out / "results.md").read_text(), proc.stdout
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_step_and_records_each_figure(dry_run: tuple[dict, str, str]) -> None:
+    results, markdown, stdout = dry_run
+    steps = results["steps"]
+    for name in ("vmm", "mapper", "bandwidth", "handoff", "decode"):
+        assert steps[name]["status"] == "ok", (name, steps[name])
+    assert "pytest" not in steps  # the dry run leaves the nested test run out
+    assert steps["channel"]["status"] == "ok"
+    figures = results["figures"]
+    by_letter = {f["figure"] for f in figures}
+    assert by_letter == {"a", "b", "c", "d"}
+    for f in figures:
+        assert f["ours"] is not None and f["ours"] >= 0, f
+    # (a) every operation at every size; no raw baseline on the host backend
+    names = {f["name"] for f in figures if f["figure"] == "a"}
+    for op in ("create", "map", "set_access", "unmap", "release", "cycle"):
+        assert f"{op} 64 KiB" in names and f"{op} 1 MiB" in names
+    assert all(f["baseline"] is None for f in figures if f["name"].startswith("create"))
+    # the mapper's driver calls were counted: compound maps one handle per page id
+    calls = steps["mapper"]["details"]["compound"]["driver_calls"]["map"]
+    assert calls.get("map") == 1 and calls.get("set_access") == 1
+    per_layer = steps["mapper"]["details"]["per-layer"]
+    assert per_layer["handles_per_page"] == 4
+    assert per_layer["driver_calls"]["map"]["map"] == 4
+    # (b) both layouts read the same sums as the plain tensor, and a layout was decided
+    bw = steps["bandwidth"]["details"]
+    assert set(bw["rel_error"]) >= {
+        "plain",
+        "kvcore per-layer, 64 KiB pages",
+        "kvcore compound, 64 KiB pages",
+    }
+    assert all(err < 1e-3 for err in bw["rel_error"].values())
+    assert results["decisions"]["default_layout_dry_run"]["layout"] in ("compound", "per-layer")
+    # (c) the handoff went through the ledger at both handle sizes, B missed at least once
+    per_size = steps["handoff"]["details"]["per_page_size"]
+    assert set(per_size) == {"64 KiB", "1 MiB"}
+    for rec in per_size.values():
+        assert rec["median_ms"] > 0
+        for rep in rec["reps"]:
+            assert rep["b_mapped_ms"] <= rep["handoff_ms"]
+    assert any(rep["b_misses"] > 0 for rec in per_size.values() for rep in rec["reps"])
+    # (d) with a reserve the allocating thread made no driver call
+    runs = steps["decode"]["details"]["runs"]
+    assert runs["64 KiB pages, reserve"]["driver_calls_allocating_thread"] == 0
+    assert runs["64 KiB pages, no reserve"]["driver_calls_allocating_thread"] > 0
+    # the Markdown has a table per figure and the step list
+    for title in ("(a) VMM", "(b) Paged-KV", "(c) Handoff", "(d) Steady-state", "## Steps"):
+        assert title in markdown
+    assert "not yet run" not in markdown
+    assert "DECISION" in stdout
+
+
+def test_pytest_summary_parsing(suite: ModuleType) -> None:
+    parse = suite.parse_pytest_summary
+    assert parse("....\n3 passed, 1 failed, 2 skipped in 4.2s\n") == {
+        "passed": 3,
+        "failed": 1,
+        "skipped": 2,
+    }
+    assert parse("x\n1 failed, 1 error, 5 deselected, 2 warnings in 0.1s") == {
+        "failed": 1,
+        "errors": 1,
+        "deselected": 5,
+        "warnings": 2,
+    }
+    assert parse("no summary here") == {}
+
+
+def test_layout_decision_prefers_compound_when_it_qualifies(suite: ModuleType) -> None:
+    mib2 = 2 << 20
+    gbps = {"kvcore compound, 2 MiB pages": 98.0, "kvcore per-layer, 2 MiB pages": 100.0}
+    dec = suite.decide_layout(gbps, 100.0, mib2)
+    assert dec["layout"] == "compound" and dec["met"]
+    gbps["kvcore compound, 2 MiB pages"] = 90.0
+    dec = suite.decide_layout(gbps, 100.0, mib2)
+    assert dec["layout"] == "per-layer" and dec["met"]
+    gbps["kvcore per-layer, 2 MiB pages"] = 95.0
+    dec = suite.decide_layout(gbps, 100.0, mib2)
+    assert dec["layout"] == "per-layer" and dec["met"] is False
+    assert suite.decide_layout({}, None, mib2)["layout"] is None
+
+
+def test_render_marks_missing_figures_and_failed_goals() -> None:
+    render = _load("render_results").render_markdown
+    results = {
+        "meta": {"gpu": "NVIDIA H200", "commit": "abc", "command": "python x"},
+        "figures": [
+            {
+                "figure": "a",
+                "name": "map 2 MiB",
+                "ours": 4.4,
+                "baseline": 4.0,
+                "ratio": 1.1,
+                "units": "us",
+                "goal": "<= 1.1x raw",
+                "met": False,
+                "baseline_label": "raw",
+            },
+        ],
+        "steps": {
+            "pytest": {
+                "status": "ok",
+                "seconds": 3,
+                "details": {"counts": {"passed": 5, "failed": 1}},
+            }
+        },
+        "decisions": {"default_layout_cuda": {"summary": "compound"}},
+    }
+    text = render(results)
+    assert "| map 2 MiB | 4.4 | 4 (raw) | 1.1 | us | <= 1.1x raw | **no** |" in text
+    assert text.count("not yet run") == 3  # b, c, d
+    assert "5 passed, 1 failed" in text
+    assert "NVIDIA H200" in text and "`abc`" in text
+
+
+def test_triton_kernel_matches_reference_in_interpreter() -> None:
+    pytest.importorskip("triton")
+    pytest.importorskip("numpy")
+    code = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import _gpu_kernels as g
+assert g.HAVE_TRITON
+torch.manual_seed(0)
+L, nb, bs, H, D = 2, 24, 16, 2, 32
+kv = torch.randn(nb, L, 2, bs, H, D).to(torch.bfloat16)  # compound strides
+table = torch.randperm(nb)[:12].reshape(3, 4).to(torch.int32)
+for layer in range(L):
+    k, v = kv[:, layer, 0], kv[:, layer, 1]
+    out = torch.full((3, H), float("nan"))
+    g.paged_kv_read(k, v, table, out)
+    ref = g.reference_read(k, v, table)
+    err = ((out - ref).norm() / ref.norm()).item()
+    assert err < 1e-5, err
+print("ok")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(BENCH)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
