@@ -55,8 +55,7 @@ def release_sources(version: str) -> dict[str, str]:
         util += "\n\ndef ceil_div(a, b):\n    return -(-a // b)\n"
     if version == "1.1.0":
         core = core.replace(
-            PATCHED_LINE,
-            "        if n > len(self.free):\n            return None\n" + PATCHED_LINE,
+            PATCHED_LINE, "        taken = self.free[:n]\n        del self.free[:n]\n"
         )
     return {
         "toyeng/__init__.py": f'__version__ = "{version}"\n',
