@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -27,6 +28,7 @@ from kvcore.geometry import LAYOUTS, KVGeometry, Layout
 from kvcore.mapper import PageMapper
 from kvcore.tensors import LocalPageMapper, PageState, VirtualKVCache
 from kvcore.vmm.faults import FaultInjector
+from kvcore.vmm.host import HostBackend
 from tests.vmm_backends import BACKEND_PARAMS, make_backend
 
 LAYERS, BUFFERS = 2, 2
@@ -110,6 +112,8 @@ def assert_consistent(vmm: FaultInjector, mapper: LocalPageMapper) -> None:
         if state in (PageState.MAPPED, PageState.PREPARED, PageState.QUARANTINED):
             expected += cache.geometry.handles_per_page
     assert len(vmm.live_handles) == expected
+    if isinstance(vmm.inner, HostBackend):  # the backend's own count agrees
+        assert vmm.inner.live_handles == expected
 
 
 def raw_bytes(vmm: FaultInjector, cache: VirtualKVCache, index: int) -> torch.Tensor:
@@ -290,6 +294,28 @@ def test_close_releases_everything(cache: VirtualKVCache, vmm: FaultInjector) ->
     cache.close()
     assert vmm.live_handles == set()
     assert vmm.mapped_ranges() == []
+
+
+def test_transitions_from_another_thread(mapper: LocalPageMapper, vmm: FaultInjector) -> None:
+    """The refill thread maps and unmaps; the backend must work from any thread (CUDA: the
+    primary context is made current there)."""
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            mapper.map([1, 2])
+            mapper.prepare_unmap([2])
+            mapper.commit_unmap([2])
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert errors == []
+    fill_block(mapper.cache, 0, 0, mapper.geometry.blocks_of(1)[0], 2.0)
+    assert [mapper.state(p) for p in (1, 2)] == [PageState.MAPPED, PageState.UNBACKED]
+    assert_consistent(vmm, mapper)
 
 
 # -- failure paths ---------------------------------------------------------------------------
