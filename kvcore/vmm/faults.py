@@ -180,17 +180,19 @@ class FaultInjector(VmmBackend):
         )
 
     def create(self, size: int) -> Handle:
-        handle = self._call("create", {"size": size}, lambda: self.inner.create(size))
-        with self._lock:
-            self.live_handles.add(handle)
-        return handle
+        return self._call(
+            "create",
+            {"size": size},
+            lambda: self.inner.create(size),
+            on_done=self.live_handles.add,  # also when after=True raises: the handle exists
+        )
 
     def release(self, handle: Handle) -> None:
         self._call(
             "release",
             {"handle": int(handle)},
             lambda: self.inner.release(handle),
-            on_done=lambda: self.live_handles.discard(handle),
+            on_done=lambda _: self.live_handles.discard(handle),
         )
 
     def map(self, va: int, size: int, handle: Handle) -> None:
@@ -198,7 +200,7 @@ class FaultInjector(VmmBackend):
             "map",
             {"va": va, "size": size, "handle": int(handle)},
             lambda: self.inner.map(va, size, handle),
-            on_done=lambda: self._mapped.__setitem__(va, (size, handle)),
+            on_done=lambda _: self._mapped.__setitem__(va, (size, handle)),
         )
 
     def set_access(self, va: int, size: int, *, writable: bool = True) -> None:
@@ -209,7 +211,7 @@ class FaultInjector(VmmBackend):
         )
 
     def unmap(self, va: int, size: int) -> None:
-        def forget() -> None:
+        def forget(_: None) -> None:
             for start in [s for s in self._mapped if va <= s < va + size]:
                 del self._mapped[start]
 
@@ -240,7 +242,7 @@ class FaultInjector(VmmBackend):
         kind: str,
         args: dict[str, object],
         forward: Callable[[], _T],
-        on_done: Callable[[], object] | None = None,
+        on_done: Callable[[_T], object] | None = None,
     ) -> _T:
         with self._lock:
             self._counts[(threading.get_ident(), kind)] += 1
@@ -253,7 +255,7 @@ class FaultInjector(VmmBackend):
         result = forward()
         if on_done is not None:
             with self._lock:
-                on_done()
+                on_done(result)
         if rule is not None:
             self._raise(rule, args)
         return result

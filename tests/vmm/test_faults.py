@@ -66,6 +66,10 @@ def test_after_forwards_then_raises(vmm: FaultInjector) -> None:
         vmm.unmap(va, g)
     assert vmm.mapped_ranges() == []  # the unmap did happen
     vmm.release(h)
+    vmm.fail("create", after=True)
+    with pytest.raises(OutOfDeviceMemory):
+        vmm.create(g)
+    assert len(vmm.live_handles) == 1  # the driver made one: it must be accounted for
 
 
 def test_calls_are_counted_per_thread(vmm: FaultInjector) -> None:
