@@ -26,8 +26,11 @@ Per page id it tracks a state::
 
 and per page slot (one per handle) the exact mapping: zero page, nothing, or its handle.
 Every transition of a call is all-or-nothing: on a driver error the slots touched so far are
-moved back along the inverse path. Physical handles come from a bounded pool of handles
-freed by earlier commits before new ones are created.
+moved back along the inverse path. The mapper trusts the backend contract (a failed call
+changed nothing); a driver that breaks it is caught when a rollback step on that slot then
+fails, and the page is quarantined (its slots are cleared piecewise at ``close``).
+Physical handles come from a bounded pool of handles freed by earlier commits before new
+ones are created.
 """
 
 from __future__ import annotations
@@ -366,6 +369,7 @@ class _Slot(enum.Enum):
     ZERO = "zero"  # the zero page is mapped here
     EMPTY = "empty"  # nothing mapped (reserved only)
     BACKED = "backed"  # the page's handle is mapped, read-write
+    UNKNOWN = "unknown"  # a quarantined page's slot: cleared piecewise before reuse at close
 
 
 @dataclass
@@ -584,6 +588,7 @@ class LocalPageMapper:
             except (VmmError, _Broken) as err:
                 log.error("kvcore: page %d quarantined: rollback failed: %s", p, err)
                 page.state = PageState.QUARANTINED
+                page.slots = [_Slot.UNKNOWN] * len(page.slots)
                 bad.append(p)
         return sorted(bad)
 
@@ -594,6 +599,8 @@ class LocalPageMapper:
             return
         if page.slots[i] is _Slot.ZERO or page.slots[i] is _Slot.BACKED:
             self.backend.unmap(va, size)
+        elif page.slots[i] is _Slot.UNKNOWN:
+            self.cache._unmap_piecewise(va, size)
         page.slots[i] = _Slot.EMPTY
         if target is _Slot.ZERO:
             self.cache.map_zero(va, size)

@@ -438,6 +438,24 @@ def test_failed_rollback_quarantines_the_page(mapper: LocalPageMapper, vmm: Faul
     assert_consistent(vmm, mapper)
 
 
+def test_a_driver_lying_about_a_failure_is_caught(
+    mapper: LocalPageMapper, vmm: FaultInjector
+) -> None:
+    """The 2nd handle map is done by the driver but reported failed: the rollback then
+    finds the slot occupied, so the page is quarantined rather than trusted."""
+    per_layer = mapper.geometry.layout == "per-layer"
+    ids, liar = ([0], 0) if per_layer else ([0, 1], 1)
+    vmm.fail("map", nth=2, after=True)
+    with pytest.raises(PageQuarantined) as err:
+        mapper.map(ids)
+    assert err.value.page_ids == (liar,)
+    assert mapper.state(liar) is PageState.QUARANTINED
+    assert all(mapper.state(p) is PageState.UNBACKED for p in ids if p != liar)
+    assert_consistent(vmm, mapper)
+    mapper.close()
+    assert len(vmm.live_handles) == 1  # even the quarantined page's handles are released
+
+
 def test_abort_failing_keeps_the_page_prepared(mapper: LocalPageMapper, vmm: FaultInjector) -> None:
     mapper.map([3])
     mapper.prepare_unmap([3])
