@@ -35,6 +35,7 @@ __all__ = ["BlockLedger"]
 _FREE = 0
 _ALLOCATED = 1
 _RESERVED = 2  # permanently allocated at construction (e.g. vLLM's null block)
+_NOT_HELD = -1  # a page this ledger does not hold (not acquired from the page allocator)
 
 
 class BlockLedger:
@@ -65,13 +66,16 @@ class BlockLedger:
         self._num_blocks = nb = geometry.num_blocks
         num_pages = geometry.num_pages
         self._state = bytearray(nb)
-        # free block ids of each page this ledger holds; None for pages it does not hold
-        self._stacks: list[list[int] | None] = [None] * num_pages
+        # free block ids of each page (empty for pages this ledger does not hold)
+        self._stacks: list[list[int]] = [[] for _ in range(num_pages)]
         self._capacity = [len(geometry.blocks_of(p)) for p in range(num_pages)]
         # partly used pages by free count f (1 <= f < capacity); bit f of _nonempty is set
         # while _buckets[f] holds a page
         self._buckets: list[dict[int, None]] = [{} for _ in range(bpp + 1)]
         self._nonempty = 0
+        # per page: _NOT_HELD, 0 (held, full) or its free count f (held, in bucket f)
+        self._bucket_of = [_NOT_HELD] * num_pages
+        self._short_last = self._capacity[-1] != bpp  # the geometry's last page is short
         self._free_slots = 0  # free blocks on held pages
         self._used = 0  # allocated blocks, reserved ones included
         self._lock = threading.Lock()
@@ -94,6 +98,7 @@ class BlockLedger:
         for p in held:
             stack = [b for b in reversed(geometry.blocks_of(p)) if self._state[b] == _FREE]
             self._stacks[p] = stack
+            self._bucket_of[p] = 0
             self._free_slots += len(stack)
             if stack:
                 self._bucket_add(p, len(stack))
@@ -131,6 +136,7 @@ class BlockLedger:
             state = self._state
             stacks = self._stacks
             buckets = self._buckets
+            bucket_of = self._bucket_of
             remaining = n
             while remaining:
                 mask = self._nonempty
@@ -140,23 +146,31 @@ class BlockLedger:
                     p = bucket.popitem()[0]
                     if not bucket:
                         self._nonempty = mask & ~(1 << f)
+                    bucket_of[p] = 0
                     stack = stacks[p]
-                    assert stack is not None
                 else:
                     p = fresh.pop()
-                    stack = list(reversed(self._geometry.blocks_of(p)))
+                    first = p * self._bpp
+                    stack = list(range(first + self._capacity[p] - 1, first - 1, -1))
                     stacks[p] = stack
+                    bucket_of[p] = 0
                     self._free_slots += len(stack)
-                take = min(remaining, len(stack))
-                cut = len(stack) - take
-                got = stack[cut:]
-                del stack[cut:]
+                k = len(stack)
+                if k <= remaining:  # take the whole page
+                    got = stack
+                    stacks[p] = []
+                else:
+                    got = stack[k - remaining :]
+                    del stack[k - remaining :]
+                    bucket = buckets[k - remaining]
+                    if not bucket:
+                        self._nonempty |= 1 << (k - remaining)
+                    bucket[p] = None
+                    bucket_of[p] = k - remaining
                 for b in got:
                     state[b] = _ALLOCATED
                 out += got
-                remaining -= take
-                if stack:
-                    self._bucket_add(p, len(stack))
+                remaining -= len(got)
             self._free_slots -= n
             self._used += n
             if fresh:  # over-covered by a short last page of the geometry: give it back
@@ -171,45 +185,55 @@ class BlockLedger:
         range."""
         with self._lock:
             state = self._state
+            stacks = self._stacks
             nb = self._num_blocks
+            bpp = self._bpp
+            touched: list[int] = []
+            last = -1
+            stack: list[int] = []
             for i, b in enumerate(block_ids):
                 if not 0 <= b < nb or state[b] != _ALLOCATED:
-                    reason = self._why_not_freeable(b, block_ids[:i])
-                    for done in block_ids[:i]:
-                        state[done] = _ALLOCATED
+                    self._undo_free(block_ids, i)
                     raise InvalidTransition(
-                        f"block ledger: cannot free block {b}: {reason}",
+                        f"block ledger: cannot free block {b}: {self._why_not_freeable(b)}",
                         ids=(b,),
                         hint="free only ids alloc() returned, once each",
                     )
                 state[b] = _FREE
-            bpp = self._bpp
-            stacks = self._stacks
-            before: dict[int, int] = {}  # touched page -> its free count before this call
-            for b in block_ids:
                 p = b // bpp
-                stack = stacks[p]
-                assert stack is not None
-                if p not in before:
-                    before[p] = len(stack)
+                if p != last:
+                    last = p
+                    stack = stacks[p]
+                    touched.append(p)
                 stack.append(b)
             n = len(block_ids)
             self._used -= n
             self._free_slots += n
             emptied: list[int] = []
             capacity = self._capacity
-            for p, was in before.items():
-                stack = stacks[p]
-                assert stack is not None
+            buckets = self._buckets
+            bucket_of = self._bucket_of
+            for p in touched:
+                was = bucket_of[p]
+                now = len(stacks[p])
+                if was in (now, _NOT_HELD):
+                    continue  # seen (or emptied) earlier in this loop
                 if was:
-                    self._bucket_remove(p, was)
-                now = len(stack)
+                    bucket = buckets[was]
+                    del bucket[p]
+                    if not bucket:
+                        self._nonempty &= ~(1 << was)
                 if now == capacity[p]:
-                    stacks[p] = None
+                    stacks[p] = []
+                    bucket_of[p] = _NOT_HELD
                     self._free_slots -= now
                     emptied.append(p)
                 else:
-                    self._bucket_add(p, now)
+                    bucket = buckets[now]
+                    if not bucket:
+                        self._nonempty |= 1 << now
+                    bucket[p] = None
+                    bucket_of[p] = now
             if emptied:
                 self._pages.release(emptied, fence)
 
@@ -251,8 +275,8 @@ class BlockLedger:
                     counts[p] = counts.get(p, 0) + 1
             empties = set()
             for p, k in counts.items():
-                stack = self._stacks[p]
-                if stack is not None and k == self._capacity[p] - len(stack):
+                held = self._bucket_of[p] != _NOT_HELD
+                if held and k == self._capacity[p] - len(self._stacks[p]):
                     empties.add(p)
             if not empties:
                 return ordered
@@ -283,7 +307,7 @@ class BlockLedger:
                     self._pages.release(got)
                 return None
             got += more
-            covered += sum(capacity[p] for p in more)
+            covered += sum(capacity[p] for p in more) if self._short_last else len(more) * bpp
         return got
 
     def _bucket_add(self, page: int, free: int) -> None:
@@ -291,18 +315,19 @@ class BlockLedger:
         if not bucket:
             self._nonempty |= 1 << free
         bucket[page] = None
+        self._bucket_of[page] = free
 
-    def _bucket_remove(self, page: int, free: int) -> None:
-        bucket = self._buckets[free]
-        del bucket[page]
-        if not bucket:
-            self._nonempty &= ~(1 << free)
+    def _undo_free(self, block_ids: Sequence[int], count: int) -> None:
+        """Take back the first ``count`` blocks a failing ``free`` already put back (in
+        reverse, so every page's stack pops what it got)."""
+        bpp = self._bpp
+        for b in reversed(block_ids[:count]):
+            self._state[b] = _ALLOCATED
+            self._stacks[b // bpp].pop()
 
-    def _why_not_freeable(self, block: int, earlier: Sequence[int]) -> str:
+    def _why_not_freeable(self, block: int) -> str:
         if not 0 <= block < self._num_blocks:
             return f"out of range 0..{self._num_blocks - 1}"
         if self._state[block] == _RESERVED:
             return "it is reserved for good"
-        if block in earlier:
-            return "named twice in one call"
-        return "not allocated (double free?)"
+        return "not allocated (a double free, or named twice in one call)"

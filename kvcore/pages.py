@@ -113,15 +113,12 @@ TRANSITIONS: frozenset[tuple[PageState, PageState]] = frozenset(
 """Every legal ``(from, to)`` page transition. The allocator fails (``PoolFailed``) rather
 than make any other."""
 
-_FREE, _MAPPING, _IN_USE, _RESERVED = _S.FREE, _S.MAPPING, _S.IN_USE, _S.RESERVED
-_FENCED, _QUEUED, _UNMAPPING, _QUARANTINED = (
-    _S.FENCED,
-    _S.UNMAP_QUEUED,
-    _S.UNMAPPING,
-    _S.QUARANTINED,
-)
+# plain ints on the hot path (an IntEnum hashes and compares in Python code)
+_FREE, _MAPPING, _IN_USE, _RESERVED = 0, 1, 2, 3
+_FENCED, _QUEUED, _UNMAPPING, _QUARANTINED = 4, 5, 6, 7
+_RELEASING = 255  # transient marker while ``release`` / ``retire`` move their ids
+_LEGAL = frozenset({(int(a), int(b)) for a, b in TRANSITIONS} | {(_FENCED, _RELEASING)})
 _BACKED = frozenset({_IN_USE, _RESERVED, _FENCED, _QUEUED, _UNMAPPING})
-_RELEASING = 255  # transient marker while ``release`` validates its ids
 
 
 @dataclass(frozen=True)
@@ -373,9 +370,7 @@ class PageAllocator:
                     state[p] = _FENCED
                 self._fenced.setdefault(fence, []).extend(page_ids)
                 return
-            for p in page_ids:
-                state[p] = _IN_USE
-            self._park(page_ids, _IN_USE)
+            self._park(page_ids)
 
     def retire(self, fence: Hashable) -> int:
         """The barrier ``fence`` has passed: pages released behind it go to the reserve or
@@ -386,7 +381,8 @@ class PageAllocator:
             pages = self._fenced.pop(fence, None)
             if not pages:
                 return 0
-            self._park(pages, _FENCED)
+            self._move(pages, _FENCED, _RELEASING)
+            self._park(pages)
             return len(pages)
 
     def trim(self) -> int:
@@ -517,29 +513,37 @@ class PageAllocator:
 
     # ------------------------------------------------------------------ state helpers
 
-    def _move(self, pages: Sequence[int], frm: PageState, to: PageState) -> None:
-        """Transition ``pages`` from ``frm`` to ``to``; any surprise fails the allocator.
-        Caller holds ``_lock``."""
-        if (frm, to) not in TRANSITIONS:
-            self._fail_locked(f"illegal page transition {frm.name} -> {to.name}")
+    def _move(self, pages: Sequence[int], frm: int, to: int) -> None:
+        """Transition ``pages`` from ``frm`` to ``to`` (``PageState`` values); any surprise
+        fails the allocator. Caller holds ``_lock``."""
+        if (frm, to) not in _LEGAL:
+            self._fail_locked(f"illegal page transition {_name(frm)} -> {_name(to)}")
         state = self._state
         for p in pages:
             if state[p] != frm:
                 self._fail_locked(
-                    f"page {p} is {PageState(state[p]).name}, expected {frm.name} "
-                    f"(moving to {to.name})"
+                    f"page {p} is {_name(state[p])}, expected {_name(frm)} "
+                    f"(moving to {_name(to)})"
                 )
             state[p] = to
 
-    def _park(self, pages: Sequence[int], frm: PageState) -> None:
-        """Released pages go to the reserve up to its cap, the rest to the unmap queue.
-        Caller holds ``_lock``."""
-        room = max(self._reserve_cap - len(self._reserve), 0)
-        keep, drop = list(pages[:room]), list(pages[room:])
-        self._move(keep, frm, _RESERVED)
-        self._reserve.extend(keep)
-        if drop:
-            self._move(drop, frm, _QUEUED)
+    def _park(self, pages: Sequence[int]) -> None:
+        """Released pages (marked ``_RELEASING``, checked by the caller) go to the reserve up
+        to its cap, the rest to the unmap queue. Caller holds ``_lock``."""
+        state = self._state
+        room = self._reserve_cap - len(self._reserve)
+        if room >= len(pages):
+            for p in pages:
+                state[p] = _RESERVED
+            self._reserve.extend(pages)
+        else:
+            room = max(room, 0)
+            keep, drop = pages[:room], pages[room:]
+            for p in keep:
+                state[p] = _RESERVED
+            self._reserve.extend(keep)
+            for p in drop:
+                state[p] = _QUEUED
             self._unmap_queue.extend(drop)
             self._wake.notify()
         self._reserve_dirty = True
@@ -665,7 +669,7 @@ class PageAllocator:
                 self._fail(f"unexpected error committing unmap of {pages}: {exc!r}", exc)
         self._to_free(pages, _UNMAPPING, quarantined=quarantined)
 
-    def _to_free(self, pages: list[int], frm: PageState, quarantined: Sequence[int]) -> None:
+    def _to_free(self, pages: list[int], frm: int, quarantined: Sequence[int]) -> None:
         """Pages leave a failed or finished mapper call: ``quarantined`` ones for good (their
         gate charge stays until ``close``), the others unbacked, their bytes back to the
         gate."""
@@ -780,6 +784,10 @@ class PageAllocator:
         queue.clear()
         self._move(unmaps, _QUEUED, _UNMAPPING)
         return unmaps, maps
+
+
+def _name(state: int) -> str:
+    return PageState(state).name if state != _RELEASING else "RELEASING"
 
 
 def _named_or_all(named: Sequence[int], pages: Sequence[int]) -> list[int]:
