@@ -1,14 +1,17 @@
 """The real single-process memory stack the page-allocator and ledger tests run on.
 
-host backend (memfd + mmap) wrapped in a ``FaultInjector`` -> ``VirtualKVCache`` ->
-``LocalPageMapper`` -> ``PageAllocator`` (-> ``BlockLedger``). Small pages (64 KiB
-granularity) keep each stack a few MiB, so a test can build many and exhaust the device.
+backend wrapped in a ``FaultInjector`` -> ``VirtualKVCache`` -> ``LocalPageMapper`` ->
+``PageAllocator`` (-> ``BlockLedger``). On ``host`` pages are small (64 KiB granularity) and
+the device size is set per test, so tests can exhaust it; on ``cuda`` (``gpu``-marked, run
+by the lead on the H200) pages are the driver's granularity and device exhaustion tests
+stay host-only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from kvcore.accounting import MemoryGate
@@ -17,11 +20,18 @@ from kvcore.geometry import KVGeometry, Layout
 from kvcore.pages import PageAllocator
 from kvcore.tensors import LocalPageMapper, VirtualKVCache
 from kvcore.tensors import PageState as MapperState
+from kvcore.vmm import VmmBackend, open_backend
 from kvcore.vmm.faults import FaultInjector
 from kvcore.vmm.host import HostBackend
 
-GRANULARITY = 64 << 10
-BLOCK_BYTES = 4 << 10  # compound: 2 layers x 2 buffers x 4 KiB = 16 KiB per block row
+HOST_GRANULARITY = 64 << 10
+LAYERS, BUFFERS = 2, 2
+
+BACKENDS = [
+    pytest.param("host", id="host"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+]
+"""Parametrize a test over these to run it on every backend."""
 
 
 @dataclass
@@ -46,14 +56,18 @@ class MemStack:
 
     def close(self) -> None:
         """Close everything and check nothing is left: no handle, no mapping."""
-        self.pages.close()
-        self.mapper.close()
-        self.cache.close()
-        assert self.vmm.live_handles == set(), f"leaked handles {self.vmm.live_handles}"
-        assert self.vmm.mapped_ranges() == [], f"leaked mappings {self.vmm.mapped_ranges()}"
+        try:
+            self.pages.close()
+            self.mapper.close()
+            self.cache.close()
+            assert self.vmm.live_handles == set(), f"leaked handles {self.vmm.live_handles}"
+            assert self.vmm.mapped_ranges() == [], f"leaked mappings {self.vmm.mapped_ranges()}"
+        finally:
+            self.vmm.close()
 
 
 def build_stack(
+    backend: str = "host",
     *,
     num_blocks: int = 64,
     blocks_per_page: int = 4,
@@ -65,26 +79,33 @@ def build_stack(
     pool_pages: int = 0,
     retry_interval: float = 0.01,
 ) -> MemStack:
-    """A fresh stack. ``device_pages``: how many page ids fit on the host "device" (beside
-    the zero page); default: all of them. ``pool_pages=0`` makes every commit release its
-    handles, so device memory follows the page states exactly."""
-    layers, buffers = 2, 2
-    # a page is one granule per handle either way: 4 blocks of 4 x 4 KiB rows (compound)
-    # or 4 blocks of 16 KiB in each of the 4 (layer, buffer) ranges (per-layer)
-    block_bytes = BLOCK_BYTES if layout == "compound" else BLOCK_BYTES * layers * buffers
-    row = block_bytes * (layers * buffers if layout == "compound" else 1)
+    """A fresh stack. ``device_pages`` (host only): how many page ids fit on the "device"
+    beside the zero page; default: all of them. ``pool_pages=0`` makes every commit release
+    its handles, so device memory follows the page states exactly."""
+    inner: VmmBackend
+    if backend == "host":
+        gran = HOST_GRANULARITY
+        pages = -(-num_blocks // blocks_per_page) if device_pages is None else device_pages
+        handles = pages * (LAYERS * BUFFERS if layout == "per-layer" else 1)
+        inner = HostBackend(device_bytes=(handles + 1) * gran, granularity=gran)
+    else:
+        if device_pages is not None:
+            pytest.skip("a device size can only be set on the host backend")
+        inner = open_backend(backend)
+        gran = inner.granularity()
+    # a page is one granule per handle: blocks_per_page block rows of all 4 (layer, buffer)
+    # pairs (compound) or blocks_per_page blocks in each (layer, buffer) range (per-layer)
+    rows = LAYERS * BUFFERS if layout == "compound" else 1
     geometry = KVGeometry(
-        num_layers=layers,
-        kv_buffers=buffers,
-        block_bytes=block_bytes,
+        num_layers=LAYERS,
+        kv_buffers=BUFFERS,
+        block_bytes=gran // (blocks_per_page * rows),
         num_blocks=num_blocks,
-        page_bytes=row * blocks_per_page,
-        granularity=GRANULARITY,
+        page_bytes=gran,
+        granularity=gran,
         layout=layout,
     )
-    pages = geometry.num_pages if device_pages is None else device_pages
-    device_bytes = (pages * geometry.page_device_bytes) + GRANULARITY  # + the zero page
-    vmm = FaultInjector(HostBackend(device_bytes=device_bytes, granularity=GRANULARITY))
+    vmm = FaultInjector(inner)
     cache = VirtualKVCache(vmm, geometry)
     mapper = LocalPageMapper(cache, pool_pages=pool_pages)
     allocator = PageAllocator(

@@ -14,14 +14,19 @@ from kvcore.accounting import BudgetGate
 from kvcore.blocks import BlockLedger
 from kvcore.errors import GeometryError, InvalidTransition
 from kvcore.pages import PageState
-from tests.memstack import MemStack, build_stack
+from tests.memstack import BACKENDS, MemStack, build_stack
 
 BPP = 4  # blocks per page in these tests
 
 
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-def stack() -> Iterator[MemStack]:
-    s = build_stack(num_blocks=32, blocks_per_page=BPP)
+def stack(backend: str) -> Iterator[MemStack]:
+    s = build_stack(backend, num_blocks=32, blocks_per_page=BPP)
     yield s
     s.close()
 
@@ -65,9 +70,9 @@ def test_an_empty_page_goes_back_and_is_unmapped(stack: MemStack) -> None:
     assert pages_of(ledger, [b for b in ids if b not in on_first]) <= stack.mapped_pages()
 
 
-def test_alloc_is_all_or_nothing_on_a_physical_miss() -> None:
+def test_alloc_is_all_or_nothing_on_a_physical_miss(backend: str) -> None:
     gate = BudgetGate(limit=0)
-    stack = build_stack(num_blocks=32, blocks_per_page=BPP, gate=gate)
+    stack = build_stack(backend, num_blocks=32, blocks_per_page=BPP, gate=gate)
     try:
         gate.limit = 2 * stack.pages.page_bytes
         ledger = stack.ledger()
@@ -84,8 +89,8 @@ def test_alloc_is_all_or_nothing_on_a_physical_miss() -> None:
         stack.close()
 
 
-def test_alloc_misses_when_the_device_runs_out_and_leaks_nothing() -> None:
-    stack = build_stack(num_blocks=32, blocks_per_page=BPP, device_pages=2)
+def test_alloc_misses_when_the_device_runs_out_and_leaks_nothing(backend: str) -> None:
+    stack = build_stack(backend, num_blocks=32, blocks_per_page=BPP, device_pages=2)
     try:
         ledger = stack.ledger()
         handles = set(stack.vmm.live_handles)
@@ -132,8 +137,8 @@ def test_reserved_blocks_keep_their_page_mapped_for_good(stack: MemStack) -> Non
     assert stack.pages.state(0) is PageState.IN_USE and 0 in stack.mapped_pages()
 
 
-def test_the_short_last_page_of_the_geometry_is_used_and_given_back() -> None:
-    stack = build_stack(num_blocks=10, blocks_per_page=BPP)  # pages of 4, 4 and 2 blocks
+def test_the_short_last_page_of_the_geometry_is_used_and_given_back(backend: str) -> None:
+    stack = build_stack(backend, num_blocks=10, blocks_per_page=BPP)  # pages of 4, 4 and 2 blocks
     try:
         ledger = stack.ledger()
         everything = ledger.alloc(10)
@@ -179,9 +184,9 @@ def test_a_fenced_free_keeps_the_page_mapped_until_retired(stack: MemStack) -> N
     assert page not in stack.mapped_pages()
 
 
-def test_the_ledger_refuses_an_allocator_smaller_than_its_geometry() -> None:
-    small = build_stack(num_blocks=8, blocks_per_page=BPP)
-    big = build_stack(num_blocks=32, blocks_per_page=BPP)
+def test_the_ledger_refuses_an_allocator_smaller_than_its_geometry(backend: str) -> None:
+    small = build_stack(backend, num_blocks=8, blocks_per_page=BPP)
+    big = build_stack(backend, num_blocks=32, blocks_per_page=BPP)
     try:
         with pytest.raises(GeometryError, match="covers 2 pages"):
             BlockLedger(big.geometry, small.pages)
@@ -203,6 +208,7 @@ OPS = st.lists(
 )
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=OPS,
@@ -210,19 +216,22 @@ OPS = st.lists(
     layout=st.sampled_from(["compound", "per-layer"]),
 )
 def test_blocks_in_use_stay_mapped_and_keep_their_data(
-    ops: list[tuple[str, int]], reserve: tuple[int, int], layout: str
+    ops: list[tuple[str, int]], reserve: tuple[int, int], layout: str, backend: str
 ) -> None:
     """Invariant 1: a page is never unmapped while a block on it is allocated (live or
     cached); data written to a block survives every other page's unmap. Invariant 4: the
     views' data pointers never change."""
+    gate = BudgetGate(limit=0)  # set below: 8 of the 10 pages, so misses happen too
     stack = build_stack(
+        backend,
         num_blocks=40,
         blocks_per_page=BPP,
         layout="compound" if layout == "compound" else "per-layer",
-        device_pages=8,  # fewer than the 10 pages: misses happen too
+        gate=gate,
         reserve_min=reserve[0],
         reserve_max=reserve[1],
     )
+    gate.limit = 8 * stack.pages.page_bytes
     try:
         ledger = stack.ledger(reserved_blocks=(0,))
         views = [stack.block_bytes_view(layer, buf) for layer in range(2) for buf in range(2)]

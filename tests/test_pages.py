@@ -10,14 +10,19 @@ import pytest
 from kvcore.accounting import BudgetGate, UnlimitedGate
 from kvcore.errors import InvalidTransition, PoolFailed
 from kvcore.pages import TRANSITIONS, PageAllocator, PageState
-from tests.memstack import MemStack, build_stack
+from tests.memstack import BACKENDS, MemStack, build_stack
 
 S = PageState
 
 
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-def stack() -> Iterator[MemStack]:
-    s = build_stack(reserve_max=2)
+def stack(backend: str) -> Iterator[MemStack]:
+    s = build_stack(backend, reserve_max=2)
     yield s
     s.close()
 
@@ -89,8 +94,10 @@ def test_the_transition_table_is_the_design_state_machine() -> None:
     }
 
 
-def test_background_thread_refills_and_the_allocating_thread_makes_no_driver_call() -> None:
-    stack = build_stack(reserve_min=2, reserve_max=4)
+def test_background_thread_refills_and_the_allocating_thread_makes_no_driver_call(
+    backend: str,
+) -> None:
+    stack = build_stack(backend, reserve_min=2, reserve_max=4)
     try:
         assert stack.pages.flush()
         assert stack.pages.stats().reserved == 2
@@ -113,8 +120,8 @@ def test_background_thread_refills_and_the_allocating_thread_makes_no_driver_cal
         stack.close()
 
 
-def test_a_reserve_shortfall_maps_on_the_calling_thread() -> None:
-    stack = build_stack(reserve_min=1, reserve_max=1)
+def test_a_reserve_shortfall_maps_on_the_calling_thread(backend: str) -> None:
+    stack = build_stack(backend, reserve_min=1, reserve_max=1)
     try:
         assert stack.pages.flush()
         ids = stack.pages.acquire(3)
@@ -125,9 +132,9 @@ def test_a_reserve_shortfall_maps_on_the_calling_thread() -> None:
         stack.close()
 
 
-def test_gate_refusal_is_a_miss_with_nothing_mapped() -> None:
+def test_gate_refusal_is_a_miss_with_nothing_mapped(backend: str) -> None:
     gate = BudgetGate(limit=0)
-    stack = build_stack(gate=gate)
+    stack = build_stack(backend, gate=gate)
     try:
         gate.limit = 2 * stack.pages.page_bytes
         assert stack.pages.acquire(3) is None
@@ -142,8 +149,8 @@ def test_gate_refusal_is_a_miss_with_nothing_mapped() -> None:
     assert gate.held == 0
 
 
-def test_out_of_device_memory_is_a_miss_and_leaks_nothing() -> None:
-    stack = build_stack(device_pages=3)
+def test_out_of_device_memory_is_a_miss_and_leaks_nothing(backend: str) -> None:
+    stack = build_stack(backend, device_pages=3)
     try:
         handles = set(stack.vmm.live_handles)  # the zero page
         assert stack.pages.acquire(4) is None
@@ -156,8 +163,8 @@ def test_out_of_device_memory_is_a_miss_and_leaks_nothing() -> None:
         stack.close()
 
 
-def test_refill_thread_backs_off_on_out_of_device_memory() -> None:
-    stack = build_stack(device_pages=2, reserve_min=4, reserve_max=4)
+def test_refill_thread_backs_off_on_out_of_device_memory(backend: str) -> None:
+    stack = build_stack(backend, device_pages=2, reserve_min=4, reserve_max=4)
     try:
         assert stack.pages.flush()
         st = stack.pages.stats()
@@ -193,8 +200,8 @@ def test_a_failed_rollback_quarantines_the_page_and_capacity_shrinks(stack: MemS
         stack.pages.acquire_ids([bad])
 
 
-def test_unmap_failing_keeps_the_page_mapped_and_a_later_round_unmaps_it() -> None:
-    stack = build_stack(reserve_max=0)
+def test_unmap_failing_keeps_the_page_mapped_and_a_later_round_unmaps_it(backend: str) -> None:
+    stack = build_stack(backend, reserve_max=0)
     try:
         ids = stack.pages.acquire(1)
         assert ids is not None
@@ -210,8 +217,8 @@ def test_unmap_failing_keeps_the_page_mapped_and_a_later_round_unmaps_it() -> No
         stack.close()
 
 
-def test_handle_release_failing_after_unmap_frees_the_page_and_leaks_nothing() -> None:
-    stack = build_stack(reserve_max=0)
+def test_handle_release_failing_after_unmap_frees_the_page_and_leaks_nothing(backend: str) -> None:
+    stack = build_stack(backend, reserve_max=0)
     try:
         ids = stack.pages.acquire(1)
         assert ids is not None
@@ -265,9 +272,9 @@ def test_a_fenced_release_stays_mapped_until_its_fence_retires(stack: MemStack) 
         stack.pages.release(ids[2:])
 
 
-def test_trim_drops_the_reserve_until_demand_returns() -> None:
+def test_trim_drops_the_reserve_until_demand_returns(backend: str) -> None:
     gate = UnlimitedGate()
-    stack = build_stack(gate=gate, reserve_min=2, reserve_max=3)
+    stack = build_stack(backend, gate=gate, reserve_min=2, reserve_max=3)
     try:
         assert stack.pages.flush() and stack.pages.stats().reserved == 2
         assert stack.pages.trim() == 2
@@ -289,9 +296,9 @@ class _OnePageReserve(UnlimitedGate):
     page_bytes = 0
 
 
-def test_the_gate_reserve_target_caps_the_reserve() -> None:
+def test_the_gate_reserve_target_caps_the_reserve(backend: str) -> None:
     gate = _OnePageReserve()
-    stack = build_stack(gate=gate, reserve_max=4)
+    stack = build_stack(backend, gate=gate, reserve_max=4)
     try:
         gate.page_bytes = stack.pages.page_bytes
         ids = stack.pages.acquire(3)
@@ -306,8 +313,8 @@ def test_the_gate_reserve_target_caps_the_reserve() -> None:
         stack.close()
 
 
-def test_available_counts_reserve_free_pages_and_gate_headroom() -> None:
-    stack = build_stack(reserve_max=2)
+def test_available_counts_reserve_free_pages_and_gate_headroom(backend: str) -> None:
+    stack = build_stack(backend, reserve_max=2)
     try:
         n = stack.pages.num_pages
         assert stack.pages.available() == n
@@ -319,9 +326,9 @@ def test_available_counts_reserve_free_pages_and_gate_headroom() -> None:
         stack.close()
 
 
-def test_close_unmaps_everything_and_returns_every_byte_to_the_gate() -> None:
+def test_close_unmaps_everything_and_returns_every_byte_to_the_gate(backend: str) -> None:
     gate = UnlimitedGate()
-    stack = build_stack(gate=gate, reserve_min=2, reserve_max=2)
+    stack = build_stack(backend, gate=gate, reserve_min=2, reserve_max=2)
     assert stack.pages.flush()
     ids = stack.pages.acquire(5)
     assert ids is not None
@@ -335,8 +342,8 @@ def test_close_unmaps_everything_and_returns_every_byte_to_the_gate() -> None:
     stack.close()
 
 
-def test_concurrent_acquire_and_release_keep_the_books_straight() -> None:
-    stack = build_stack(num_blocks=128, reserve_min=2, reserve_max=6)
+def test_concurrent_acquire_and_release_keep_the_books_straight(backend: str) -> None:
+    stack = build_stack(backend, num_blocks=128, reserve_min=2, reserve_max=6)
     errors: list[BaseException] = []
 
     def worker() -> None:
@@ -369,8 +376,8 @@ def test_concurrent_acquire_and_release_keep_the_books_straight() -> None:
         stack.close()
 
 
-def test_bounds_are_checked() -> None:
-    stack = build_stack()
+def test_bounds_are_checked(backend: str) -> None:
+    stack = build_stack(backend)
     try:
         with pytest.raises(ValueError, match="reserve_min"):
             PageAllocator(stack.mapper, reserve_min=3, reserve_max=2)
