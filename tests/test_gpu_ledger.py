@@ -1,0 +1,585 @@
+"""The per-GPU shared ledger and ``LedgerGate``: file format and refusal of foreign files,
+limits and the budget, deferred lowering, revisions, stale-record reclaim, and real
+processes sharing one budget (``tests/ledger_procs.py``)."""
+
+from __future__ import annotations
+
+import fcntl
+import grp
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvcore import gpu_ledger
+from kvcore.accounting import MemoryGate
+from kvcore.errors import LedgerError, LedgerNotFound, RevisionConflict, UnknownInstance
+from kvcore.gpu_ledger import GpuLedger, LedgerGate, Liveness, ledger_path
+from tests import ledger_procs
+from tests.ledger_procs import PAGE
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+UUID = "GPU-test-0000"
+
+
+@pytest.fixture(autouse=True)
+def ledger_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test gets its own ledger directory (inherited by the processes it starts)."""
+    monkeypatch.setenv(gpu_ledger.DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(gpu_ledger.GROUP_ENV, raising=False)
+    return tmp_path
+
+
+@pytest.fixture
+def ledger() -> Iterator[GpuLedger]:
+    led = GpuLedger.open(UUID, device_total=1024 * MiB)
+    yield led
+    led.close()
+
+
+def gate(led: GpuLedger, name: str, limit: int = 0) -> LedgerGate:
+    return LedgerGate(led, name=name, engine="test", limit=limit)
+
+
+# -- the file -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000, 0o077])
+def test_created_with_mode_0600_whatever_the_umask(umask: int) -> None:
+    old = os.umask(umask)
+    try:
+        GpuLedger.open(UUID, device_total=MiB).close()
+    finally:
+        os.umask(old)
+    assert ledger_path(UUID).stat().st_mode & 0o777 == 0o600
+
+
+def test_group_mode_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    group = grp.getgrgid(os.getgid()).gr_name
+    monkeypatch.setenv(gpu_ledger.GROUP_ENV, group)
+    GpuLedger.open(UUID, device_total=MiB).close()
+    st = ledger_path(UUID).stat()
+    assert (st.st_mode & 0o777, st.st_gid) == (0o660, os.getgid())
+
+
+def test_unknown_group_is_refused_and_nothing_is_created(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(gpu_ledger.GROUP_ENV, "no-such-group-kvcore")
+    with pytest.raises(LedgerError, match="names no group") as info:
+        GpuLedger.open(UUID, device_total=MiB)
+    assert "getent group" in info.value.hint
+    assert not list(ledger_path(UUID).parent.iterdir())
+
+
+def test_missing_ledger_without_device_size_is_not_found() -> None:
+    with pytest.raises(LedgerNotFound) as info:
+        GpuLedger.open(UUID)
+    assert "first kvcore instance starts" in info.value.hint
+
+
+def _refused_untouched(path: Path, content: bytes) -> LedgerError:
+    path.write_bytes(content)
+    before = path.stat().st_mtime_ns
+    with pytest.raises(LedgerError) as info:
+        GpuLedger.open(UUID, device_total=MiB)
+    assert path.read_bytes() == content, "a refused file must never be written"
+    assert path.stat().st_mtime_ns == before
+    assert f"rm {path}" in info.value.hint
+    return info.value
+
+
+def test_foreign_file_is_refused_and_left_untouched() -> None:
+    err = _refused_untouched(ledger_path(UUID), b"somebody else's data\n" * 2000)
+    assert "foreign" in err.message
+
+
+def test_empty_file_is_refused() -> None:
+    err = _refused_untouched(ledger_path(UUID), b"")
+    assert "shorter than a ledger header" in err.message
+
+
+def test_unknown_layout_version_is_refused_and_left_untouched(ledger: GpuLedger) -> None:
+    path = ledger.path
+    ledger.close()
+    data = bytearray(path.read_bytes())
+    data[8:12] = (gpu_ledger.LAYOUT_VERSION + 1).to_bytes(4, "little")
+    err = _refused_untouched(path, bytes(data))
+    assert f"layout version {gpu_ledger.LAYOUT_VERSION + 1}" in err.message
+
+
+def test_truncated_ledger_is_refused(ledger: GpuLedger) -> None:
+    path = ledger.path
+    ledger.close()
+    err = _refused_untouched(path, path.read_bytes()[:1000])
+    assert "truncated" in err.message
+
+
+def test_ledger_of_another_device_is_refused(ledger: GpuLedger) -> None:
+    ledger.close()
+    other = ledger_path("GPU-other")
+    ledger.path.rename(other)
+    with pytest.raises(LedgerError, match="belongs to device 'GPU-test-0000'"):
+        GpuLedger.open("GPU-other")
+
+
+def test_symlink_at_the_ledger_path_is_not_followed(tmp_path: Path) -> None:
+    target = tmp_path / "victim"
+    target.write_bytes(b"precious")
+    ledger_path(UUID).symlink_to(target)
+    with pytest.raises(LedgerError, match="cannot open"):
+        GpuLedger.open(UUID, device_total=MiB)
+    assert target.read_bytes() == b"precious"
+
+
+def test_corrupt_record_is_reported_not_guessed(ledger: GpuLedger) -> None:
+    gate(ledger, "a")
+    with ledger.path.open("r+b") as f:
+        f.seek(256)  # first record's state field
+        f.write((7).to_bytes(4, "little"))
+    with pytest.raises(LedgerError, match="unknown state 7: the file is corrupt"):
+        ledger.snapshot()
+
+
+def test_concurrent_creators_share_one_ledger() -> None:
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_open_and_register, args=(f"i{i}",)) for i in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert [p.name for p in gpu_ledger.list_ledgers()] == [ledger_path(UUID).name]
+    assert not [p for p in ledger_path(UUID).parent.iterdir() if p.name.startswith(".")]
+
+
+def _open_and_register(name: str) -> None:
+    led = GpuLedger.open(UUID, device_total=1024 * MiB)
+    g = LedgerGate(led, name=name, engine="test")
+    assert g.try_acquire(MiB)
+    g.close()
+
+
+# -- the gate -----------------------------------------------------------------------------
+
+
+def test_gate_is_a_memory_gate(ledger: GpuLedger) -> None:
+    assert isinstance(gate(ledger, "a"), MemoryGate)
+
+
+def test_limit_and_budget_both_bound_admission(ledger: GpuLedger) -> None:
+    ledger.set_budget(100 * MiB)
+    a = gate(ledger, "a", limit=60 * MiB)
+    b = gate(GpuLedger.open(UUID), "b")
+    assert a.try_acquire(60 * MiB)
+    assert not a.try_acquire(1), "over a's own limit"
+    assert not b.try_acquire(41 * MiB), "over the budget with a's 60 MiB"
+    assert b.try_acquire(40 * MiB)
+    a.release(10 * MiB)
+    assert b.try_acquire(10 * MiB)
+    snap = ledger.snapshot()
+    assert snap.total_mapped == 100 * MiB == sum(r.mapped for r in snap.records)
+    assert (snap.find("a").denied, snap.find("b").denied) == (1, 1)  # type: ignore[union-attr]
+
+
+def test_budget_defaults_to_the_device_total(ledger: GpuLedger) -> None:
+    a = gate(ledger, "a")
+    assert a.try_acquire(1024 * MiB)
+    assert not a.try_acquire(1)
+
+
+def test_lowered_limit_is_deferred_and_trims_the_reserve_first(ledger: GpuLedger) -> None:
+    a = gate(ledger, "a", limit=16 * MiB)
+    assert a.try_acquire(8 * MiB)
+    a.report_reserve(3 * MiB)  # in use: 5 MiB
+    assert a.reserve_target(3 * MiB) == 3 * MiB
+    ledger.set_limit("a", 6 * MiB)
+    assert a.reserve_target(3 * MiB) == 1 * MiB, "the reserve shrinks to fit the limit"
+    assert not a.try_acquire(PAGE), "no new memory while over the limit"
+    rec = a.record()
+    assert rec.over_limit and rec.mapped == 8 * MiB, "nothing taken away, nothing raised"
+    ledger.set_limit("a", 4 * MiB)
+    assert a.reserve_target(3 * MiB) == 0
+    a.release(3 * MiB)  # the allocator drops its reserve ...
+    a.report_reserve(0)
+    assert a.record().over_limit
+    a.release(2 * MiB)  # ... and use falls below the limit
+    assert not a.record().over_limit
+    assert a.try_acquire(1 * MiB)
+    assert not a.try_acquire(1)
+
+
+def test_lowered_budget_is_deferred(ledger: GpuLedger) -> None:
+    a, b = gate(ledger, "a"), gate(ledger, "b")
+    assert a.try_acquire(300 * MiB) and b.try_acquire(300 * MiB)
+    b.report_reserve(100 * MiB)
+    ledger.set_budget(450 * MiB)  # below the 600 MiB mapped
+    assert not a.try_acquire(PAGE)
+    assert b.reserve_target(100 * MiB) == 0, "reserves go first"
+    b.release(100 * MiB)
+    b.report_reserve(0)
+    assert not a.try_acquire(PAGE), "500 MiB still above the budget"
+    b.release(100 * MiB)  # b's requests finish
+    assert a.try_acquire(50 * MiB)
+    assert not a.try_acquire(PAGE)
+
+
+def test_limit_revision_is_a_compare_and_set(ledger: GpuLedger) -> None:
+    a = gate(ledger, "a", limit=10 * MiB)
+    before, after = ledger.set_limit("a", 20 * MiB, if_revision=1)
+    assert (before.limit_revision, after.limit_revision, after.limit) == (1, 2, 20 * MiB)
+    with pytest.raises(RevisionConflict, match="revision 2") as info:
+        ledger.set_limit("a", 5 * MiB, if_revision=1)  # a writer acting on an old reading
+    assert "re-read" in info.value.hint
+    assert a.record().limit == 20 * MiB
+    assert a.try_acquire(15 * MiB)  # the gate's own writes never touch the limit
+    a.report_reserve(MiB)
+    a.release(MiB)
+    assert (a.record().limit, a.record().limit_revision) == (20 * MiB, 2)
+
+
+def test_budget_revision_is_a_compare_and_set(ledger: GpuLedger) -> None:
+    assert ledger.set_budget(100 * MiB, if_revision=1) == 2
+    with pytest.raises(RevisionConflict):
+        ledger.set_budget(900 * MiB, if_revision=1)
+    assert ledger.snapshot().budget == 100 * MiB
+
+
+def test_unknown_instance_lists_the_known_ones(ledger: GpuLedger) -> None:
+    gate(ledger, "alpha")
+    gate(ledger, "beta")
+    with pytest.raises(UnknownInstance, match=r"'gamma' .*\(known: alpha, beta\)"):
+        ledger.set_limit("gamma", MiB)
+
+
+def test_trim_holds_the_reserve_at_zero_for_the_hold(ledger: GpuLedger) -> None:
+    a = gate(ledger, "a")
+    assert a.try_acquire(4 * MiB)
+    a.report_reserve(4 * MiB)
+    ledger.request_trim("a", hold_s=0.3)
+    assert a.reserve_target(4 * MiB) == 0
+    time.sleep(0.35)
+    assert a.reserve_target(4 * MiB) == 4 * MiB
+    ledger.request_trim("a", hold_s=float("inf"))
+    assert a.reserve_target(4 * MiB) == 0
+    ledger.request_trim("a", hold_s=0)
+    assert a.reserve_target(4 * MiB) == 4 * MiB
+
+
+def test_names_are_unique_among_live_instances(ledger: GpuLedger) -> None:
+    gate(ledger, "a")
+    with pytest.raises(LedgerError, match="already runs"):
+        gate(GpuLedger.open(UUID), "a")
+
+
+@pytest.mark.parametrize("name", ["", "has space", "-lead", "x" * 64, "tab\t"])
+def test_unusable_names_are_refused(ledger: GpuLedger, name: str) -> None:
+    with pytest.raises(LedgerError, match="not usable"):
+        gate(ledger, name)
+
+
+def test_full_ledger_is_refused_with_a_hint(ledger: GpuLedger) -> None:
+    for i in range(gpu_ledger.CAPACITY):
+        gate(ledger, f"i{i}")
+    with pytest.raises(LedgerError, match="is full") as info:
+        gate(ledger, "one-more")
+    assert "kvctl clean" in info.value.hint
+
+
+def test_close_removes_the_record_and_its_bytes(ledger: GpuLedger) -> None:
+    a, b = gate(ledger, "a"), gate(ledger, "b")
+    assert a.try_acquire(10 * MiB) and b.try_acquire(5 * MiB)
+    a.close()
+    a.close()
+    snap = ledger.snapshot()
+    assert [r.name for r in snap.records] == ["b"] and snap.total_mapped == 5 * MiB
+
+
+def test_releasing_more_than_held_raises_and_changes_nothing(ledger: GpuLedger) -> None:
+    a = gate(ledger, "a")
+    assert a.try_acquire(MiB)
+    with pytest.raises(LedgerError, match="holds 1048576 bytes"):
+        a.release(2 * MiB)
+    assert a.record().mapped == MiB == ledger.snapshot().total_mapped
+
+
+def test_gate_notices_its_record_was_removed(ledger: GpuLedger) -> None:
+    a = gate(ledger, "a")
+    other = GpuLedger.open(UUID)
+    with other._locked(exclusive=True) as buf:  # what a wrong reclaim would do
+        buf[256 : 256 + 384] = bytes(384)
+    with pytest.raises(LedgerError, match="removed by another process"):
+        a.try_acquire(MiB)
+
+
+def test_a_stuck_lock_holder_raises_instead_of_hanging(
+    ledger: GpuLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = gate(ledger, "a")
+    monkeypatch.setattr(gpu_ledger, "LOCK_TIMEOUT_S", 0.2)
+    fd = os.open(ledger.path, os.O_RDWR)  # another open file description: another holder
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        with pytest.raises(LedgerError, match="stayed locked") as info:
+            a.try_acquire(MiB)
+        assert time.monotonic() - t0 < 2
+        assert "fuser" in info.value.hint
+    finally:
+        os.close(fd)
+    assert a.try_acquire(MiB)
+
+
+def test_readers_take_a_shared_lock(ledger: GpuLedger, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate(ledger, "a")
+    monkeypatch.setattr(gpu_ledger, "LOCK_TIMEOUT_S", 0.2)
+    fd = os.open(ledger.path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        assert ledger.snapshot().find("a") is not None, "readers share"
+        with pytest.raises(LedgerError, match="stayed locked"):
+            ledger.set_limit("a", MiB)  # a writer waits for readers
+    finally:
+        os.close(fd)
+
+
+def test_device_free_is_published_from_the_backend() -> None:
+    backend = ledger_procs.host_backend(64 * MiB)
+    with LedgerGate.from_backend(backend, name="a", engine="test") as g:
+        snap = g.ledger.snapshot()
+        assert (snap.device_uuid, snap.device_total) == (backend.device_uuid(), 64 * MiB)
+        assert snap.device_free == 64 * MiB and snap.device_free_time > 0
+    backend.close()
+
+
+# -- stale records ------------------------------------------------------------------------
+
+
+def _spawn_holder(name: str, nbytes: int, reserve: int = 0) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.ledger_procs", "hold", name]
+        + [str(v) for v in (1024 * MiB, nbytes, reserve)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = json.loads(proc.stdout.readline())
+    assert line["admitted"], line
+    return proc, int(line["pid"])
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+
+
+@pytest.mark.parametrize("reclaimer", ["next-instance", "reclaim_stale", "budget-refusal"])
+def test_sigkilled_instance_is_reclaimed(reclaimer: str) -> None:
+    backend = ledger_procs.host_backend(1024 * MiB)
+    led = GpuLedger.open(backend.device_uuid(), device_total=1024 * MiB)
+    led.set_budget(64 * MiB)
+    proc, pid = _spawn_holder("victim", 64 * MiB)
+    try:
+        victim = led.snapshot().find("victim")
+        assert victim is not None and victim.mapped == 64 * MiB and victim.pid == pid
+        assert victim.liveness is Liveness.LIVE
+        if reclaimer == "budget-refusal":  # registered (and swept) while the victim lives
+            g = LedgerGate(led, name="next", engine="test")
+            assert not g.try_acquire(PAGE)
+            g._last_sweep = 0.0  # the refusal above used this period's sweep
+        _kill(proc)
+        assert led.snapshot().find("victim").liveness is Liveness.STALE  # type: ignore[union-attr]
+        if reclaimer == "next-instance":
+            g = LedgerGate(led, name="next", engine="test")
+            assert led.snapshot().find("victim") is None
+        elif reclaimer == "reclaim_stale":
+            assert [r.name for r in led.reclaim_stale()] == ["victim"]
+            g = LedgerGate(led, name="next", engine="test")
+        assert g.try_acquire(64 * MiB), "the dead instance's memory is available again"
+        snap = led.snapshot()
+        assert [r.name for r in snap.records] == ["next"] and snap.total_mapped == 64 * MiB
+    finally:
+        if proc.poll() is None:
+            _kill(proc)
+        led.close()
+        backend.close()
+
+
+def test_reused_pid_is_stale(ledger: GpuLedger) -> None:
+    a = gate(ledger, "a")
+    assert a.try_acquire(MiB)
+    start = a.record().start_time
+    with ledger._locked(exclusive=True) as buf:  # same pid, another process start time
+        gpu_ledger._RECORD.put(buf, 256, "start_time", start + 1)
+    assert ledger.snapshot().find("a").liveness is Liveness.STALE  # type: ignore[union-attr]
+    assert [r.name for r in ledger.reclaim_stale()] == ["a"]
+    assert ledger.snapshot().total_mapped == 0
+
+
+def test_record_of_another_pid_namespace_is_never_reclaimed(ledger: GpuLedger) -> None:
+    gate(ledger, "a")
+    with ledger._locked(exclusive=True) as buf:
+        gpu_ledger._RECORD.put(buf, 256, "pidns", 12345)
+        gpu_ledger._RECORD.put(buf, 256, "pid", 999_999_999 % (1 << 31))
+    assert ledger.snapshot().find("a").liveness is Liveness.UNKNOWN  # type: ignore[union-attr]
+    assert ledger.reclaim_stale() == []
+
+
+def test_sweep_heals_a_total_left_inconsistent(ledger: GpuLedger) -> None:
+    a = gate(ledger, "a")
+    assert a.try_acquire(3 * MiB)
+    with ledger._locked(exclusive=True) as buf:  # a writer killed between two writes
+        gpu_ledger._HEADER.put(buf, 0, "total_mapped", 999 * MiB)
+    assert ledger.reclaim_stale() == []
+    assert ledger.snapshot().total_mapped == 3 * MiB
+
+
+# -- real processes -----------------------------------------------------------------------
+
+
+def test_processes_never_exceed_the_shared_budget_in_sum() -> None:
+    device, budget, n = 1024 * MiB, 40 * PAGE, 4
+    backend = ledger_procs.host_backend(device)
+    led = GpuLedger.open(backend.device_uuid(), device_total=device)
+    led.set_budget(budget)
+    ctx = multiprocessing.get_context("spawn")
+    held, peak = ctx.Value("q", 0), ctx.Value("q", 0)
+    results, start = ctx.Queue(), ctx.Event()
+    procs = [
+        ctx.Process(
+            target=ledger_procs.hammer,
+            args=(f"p{i}", device, 1500, i, held, peak, results, start),
+        )
+        for i in range(n)
+    ]
+    for p in procs:
+        p.start()
+    while len(led.snapshot().records) < n:
+        time.sleep(0.01)
+    start.set()
+    samples = 0
+    while any(p.is_alive() for p in procs):
+        snap = led.snapshot()
+        assert snap.total_mapped <= budget
+        assert snap.total_mapped == sum(r.mapped for r in snap.records)
+        samples += 1
+    out = [results.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert samples > 10
+    assert 0 < peak.value <= budget, "independent count of what the processes held"
+    for r in out:
+        assert r["ledger_mapped"] == r["own_bytes"] == r["backend_bytes"]
+    assert sum(r["refused"] for r in out) > 0, "the budget was actually contended"
+    assert held.value == 0
+    snap = led.snapshot()
+    assert snap.records == () and snap.total_mapped == 0
+    led.close()
+    backend.close()
+
+
+def test_limit_writers_race_allocators_without_corrupting_the_ledger() -> None:
+    device = 1024 * MiB
+    backend = ledger_procs.host_backend(device)
+    led = GpuLedger.open(backend.device_uuid(), device_total=device)
+    led.set_budget(64 * PAGE)
+    ctx = multiprocessing.get_context("spawn")
+    held, peak = ctx.Value("q", 0), ctx.Value("q", 0)
+    results, start, linger = ctx.Queue(), ctx.Event(), ctx.Event()
+    hammers = [
+        ctx.Process(
+            target=ledger_procs.hammer,
+            args=(f"p{i}", device, 3000, 10 + i, held, peak, results, start, linger),
+        )
+        for i in range(2)
+    ]
+    for p in hammers:
+        p.start()
+    while len(led.snapshot().records) < 2:
+        time.sleep(0.01)
+    sizes = [[(8 + 4 * k + w) * PAGE for k in range(60)] for w in range(2)]
+    writer_results = ctx.Queue()
+    writers = [
+        ctx.Process(target=ledger_procs.set_limits, args=("p0", s, writer_results, start))
+        for s in sizes
+    ]
+    for p in writers:
+        p.start()
+    start.set()
+    won = []
+    for _ in writers:
+        won += writer_results.get(timeout=120)["won"]
+    linger.set()
+    hammer_out = [results.get(timeout=120) for _ in hammers]
+    for p in hammers + writers:
+        p.join(60)
+        assert p.exitcode == 0
+    revisions = sorted(rev for rev, _ in won)
+    assert revisions == list(range(2, 2 + len(won))), "every revision won exactly once"
+    assert len(won) >= 60, "at least one writer's worth of changes landed"
+    for r in hammer_out:
+        assert r["ledger_mapped"] == r["own_bytes"] == r["backend_bytes"]
+    assert peak.value <= 64 * PAGE
+    snap = led.snapshot()
+    assert snap.records == () and snap.total_mapped == 0
+    led.close()
+    backend.close()
+
+
+def test_kvctl_limit_races_allocation() -> None:
+    """``kvctl limit`` (the real command) from two processes on one instance while two
+    instances allocate."""
+    device = 1024 * MiB
+    backend = ledger_procs.host_backend(device)
+    led = GpuLedger.open(backend.device_uuid(), device_total=device)
+    led.set_budget(64 * PAGE)
+    ctx = multiprocessing.get_context("spawn")
+    held, peak = ctx.Value("q", 0), ctx.Value("q", 0)
+    results, start, linger = ctx.Queue(), ctx.Event(), ctx.Event()
+    hammers = [
+        ctx.Process(
+            target=ledger_procs.hammer,
+            args=(f"p{i}", device, 2000, 20 + i, held, peak, results, start, linger),
+        )
+        for i in range(2)
+    ]
+    for p in hammers:
+        p.start()
+    while len(led.snapshot().records) < 2:
+        time.sleep(0.01)
+    n_each = 25
+    kv_results = ctx.Queue()
+    writers = [
+        ctx.Process(
+            target=ledger_procs.kvctl_limits,
+            args=("p0", [f"{(w + 1) * 256 + k}K" for k in range(n_each)], kv_results, start),
+        )
+        for w in range(2)
+    ]
+    for p in writers:
+        p.start()
+    start.set()
+    codes = [kv_results.get(timeout=120)["codes"] for _ in writers]
+    p0 = led.snapshot().find("p0")
+    assert p0 is not None
+    assert p0.limit_revision == 1 + 2 * n_each, "no write lost"
+    assert p0.limit in ((256 + n_each - 1) << 10, (512 + n_each - 1) << 10), "a last write won"
+    linger.set()
+    hammer_out = [results.get(timeout=120) for _ in hammers]
+    for p in hammers + writers:
+        p.join(60)
+        assert p.exitcode == 0
+    assert codes == [[0] * n_each, [0] * n_each]
+    for r in hammer_out:
+        assert r["ledger_mapped"] == r["own_bytes"] == r["backend_bytes"]
+    assert led.snapshot().total_mapped == 0
+    led.close()
+    backend.close()
