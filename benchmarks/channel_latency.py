@@ -1,0 +1,205 @@
+"""Per-page map and unmap latency through the worker channel vs the local mapper.
+
+For each worker count N it starts N real worker processes (each: a VMM backend, a
+``VirtualKVCache`` of compound layout and a ``LocalPageMapper`` behind a
+``WorkerListener``), drives them from this process with a ``ChannelCoordinator``, and times
+``map([p])`` and ``prepare_unmap([p]) + commit_unmap([p])``, ``--batch`` pages per call.
+In the same run, the same transitions are timed on a ``LocalPageMapper`` in this process
+(the baseline). Figures are medians per page, in milliseconds, and the channel / local
+ratio. Goal: <= 0.5 ms per page for 4 workers (kvcached's published anchor: 2.1 ms).
+
+    python benchmarks/channel_latency.py                          # host backend, CPU
+    python benchmarks/channel_latency.py --backend cuda           # workers share GPU 0
+    python benchmarks/channel_latency.py --backend cuda --devices 2   # worker i -> GPU i % 2
+
+The local mapper keeps its default handle pool (4 pages), as in production: after warm-up
+a map reuses a pooled handle and an unmap returns it, so the figures are map/set-access/
+unmap work plus (for the channel) the round trip, not handle creation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+PAGE_PAGES = 64  # page ids per worker cache (virtual; only a few are ever mapped)
+
+
+def _geometry(backend: Any) -> Any:
+    from kvcore.geometry import KVGeometry
+
+    gran = backend.granularity()
+    # One page id = one granularity-sized handle holding 4 blocks of 4 layers x (K, V).
+    return KVGeometry(
+        num_layers=4,
+        kv_buffers=2,
+        block_bytes=gran // 32,
+        num_blocks=PAGE_PAGES * 4,
+        page_bytes=gran,
+        granularity=gran,
+        layout="compound",
+    )
+
+
+def _open(backend_name: str, device: int) -> Any:
+    from kvcore.vmm import open_backend
+
+    options = {"device_bytes": 4 << 30} if backend_name == "host" else {}
+    return open_backend(backend_name, device, **options)
+
+
+def _worker(backend_name: str, device: int, rank: int, channel_dir: str, pipe: Connection) -> None:
+    from kvcore.channel import WorkerListener
+    from kvcore.tensors import LocalPageMapper, VirtualKVCache
+
+    backend = _open(backend_name, device)
+    cache = VirtualKVCache(backend, _geometry(backend))
+    mapper = LocalPageMapper(cache)
+    listener = WorkerListener(mapper, rank=rank, channel_dir=channel_dir).start()
+    pipe.send("ready")
+    listener.wait_closed()  # the coordinator's close() unmaps everything and stops it
+    listener.close()
+    cache.close()
+    backend.close()
+
+
+def _time(mapper: Any, iters: int, warmup: int, batch: int) -> tuple[list[float], list[float]]:
+    """Per-page seconds of each map call and each prepare+commit pair."""
+    pages = list(range(batch))
+    maps: list[float] = []
+    unmaps: list[float] = []
+    for i in range(warmup + iters):
+        t0 = time.perf_counter()
+        mapper.map(pages)
+        t1 = time.perf_counter()
+        mapper.prepare_unmap(pages)
+        mapper.commit_unmap(pages)
+        t2 = time.perf_counter()
+        if i >= warmup:
+            maps.append((t1 - t0) / batch)
+            unmaps.append((t2 - t1) / batch)
+    return maps, unmaps
+
+
+def _local(args: argparse.Namespace) -> tuple[float, float]:
+    from kvcore.tensors import LocalPageMapper, VirtualKVCache
+
+    backend = _open(args.backend, 0)
+    cache = VirtualKVCache(backend, _geometry(backend))
+    mapper = LocalPageMapper(cache)
+    try:
+        maps, unmaps = _time(mapper, args.iters, args.warmup, args.batch)
+    finally:
+        mapper.close()
+        cache.close()
+        backend.close()
+    return statistics.median(maps), statistics.median(unmaps)
+
+
+def _channel(args: argparse.Namespace, workers: int) -> tuple[float, float]:
+    from kvcore.channel import ChannelCoordinator, ChannelDirectory
+
+    base = Path(tempfile.mkdtemp(prefix="kvcb"))
+    directory = ChannelDirectory.create(base)
+    ctx = mp.get_context("spawn")
+    procs = []
+    try:
+        pipes = []
+        for rank in range(workers):
+            ours, theirs = ctx.Pipe()
+            device = rank % args.devices
+            proc = ctx.Process(
+                target=_worker,
+                args=(args.backend, device, rank, str(directory.path), theirs),
+                daemon=True,
+            )
+            proc.start()
+            procs.append(proc)
+            pipes.append(ours)
+        for pipe in pipes:
+            if not pipe.poll(300) or pipe.recv() != "ready":
+                raise RuntimeError("a worker did not start")
+        coordinator = ChannelCoordinator(directory, world_size=workers)
+        try:
+            maps, unmaps = _time(coordinator, args.iters, args.warmup, args.batch)
+        finally:
+            coordinator.close()
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+        directory.remove()
+        import shutil
+
+        shutil.rmtree(base, ignore_errors=True)
+    return statistics.median(maps), statistics.median(unmaps)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="host", choices=["host", "cuda", "hip"])
+    parser.add_argument("--workers", default="1,2,4,8", help="comma-separated worker counts")
+    parser.add_argument(
+        "--devices", type=int, default=1, help="GPUs to spread workers over (i -> i %% n)"
+    )
+    parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=1, help="pages per map/unmap call")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    counts = [int(n) for n in args.workers.split(",")]
+
+    local_map, local_unmap = _local(args)
+    rows: list[dict[str, Any]] = []
+    for n in counts:
+        ch_map, ch_unmap = _channel(args, n)
+        rows.append(
+            {
+                "workers": n,
+                "map_ms": ch_map * 1e3,
+                "unmap_ms": ch_unmap * 1e3,
+                "map_ratio": ch_map / local_map,
+                "unmap_ratio": ch_unmap / local_unmap,
+            }
+        )
+    header = (
+        f"backend={args.backend} devices={args.devices} batch={args.batch} "
+        f"iters={args.iters} (medians per page)"
+    )
+    print(header)
+    print(
+        f"local mapper in-process: map {local_map * 1e3:.3f} ms, unmap {local_unmap * 1e3:.3f} ms"
+    )
+    print("| workers | map ms/page | unmap ms/page | map vs local | unmap vs local |")
+    print("|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['workers']} | {r['map_ms']:.3f} | {r['unmap_ms']:.3f} | "
+            f"{r['map_ratio']:.1f}x | {r['unmap_ratio']:.1f}x |"
+        )
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "local": {"map_ms": local_map * 1e3, "unmap_ms": local_unmap * 1e3},
+                    "channel": rows,
+                },
+                indent=2,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
