@@ -182,13 +182,13 @@ class VirtualKVCache:
         item = torch.empty(0, dtype=dtype).element_size()
         if block_shape is None:
             if g.block_bytes % item:
-                raise KvcoreError(
+                raise GeometryError(
                     f"block_bytes={g.block_bytes} is not a multiple of {dtype}'s size {item}"
                 )
             block_shape = (g.block_bytes // item,)
         shape = tuple(int(d) for d in block_shape)
         if math.prod(shape) * item != g.block_bytes:
-            raise KvcoreError(
+            raise GeometryError(
                 f"block_shape={shape} of {dtype} is {math.prod(shape) * item} bytes, "
                 f"not block_bytes={g.block_bytes}",
                 hint="make the block shape's element count times the item size equal block_bytes",
