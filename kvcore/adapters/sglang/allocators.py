@@ -1,0 +1,309 @@
+"""Elastic versions of SGLang's token and paged token-to-KV allocators.
+
+They are subclasses of SGLang's own ``TokenToKVPoolAllocator`` and
+``PagedTokenToKVPoolAllocator`` (imported from the installed SGLang), so the scheduler,
+radix cache and kernels see the same interface and the same index arithmetic. What changes
+is *which* ids are free: kvcore's ``BlockLedger`` is the free list. Token demand becomes block
+demand (one block per SGLang page; one per token at ``page_size == 1``), the ledger picks the
+blocks page-aware and maps physical pages on demand, and SGLang's own extend/decode index
+computation expands the block ids to token indices. Freeing hands ids back to the ledger,
+which unmaps (or parks in the reserve) every page whose blocks are all free.
+
+A physical miss (budget or device exhausted) makes ``alloc*`` return ``None``, exactly what
+upstream returns when its free list is short; ``available_size()`` already reports the
+physical room (the gate's headroom), so SGLang's admission and decode-retraction checks see
+the shortage before they allocate.
+
+``max_cached_tokens`` (``--kvcore-config``) bounds the prefix cache: every allocation's
+eviction pass (``evict_to_free_tokens``, which SGLang calls before each allocation) first
+evicts down to the bound. ``conservation_available_size()`` is what the scheduler's idle
+leak check adds to evictable + protected tokens to get the pool's total in elastic mode.
+
+Only the two stock classes are supported; ``elastic_allocator`` refuses any other allocator
+(SWA, HiSparse, page-interleave, NPU) with ``UnsupportedConfiguration``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.utils import get_num_new_pages
+
+from kvcore.errors import UnsupportedConfiguration
+
+if TYPE_CHECKING:
+    from kvcore.adapters.sglang.manager import ElasticKVManager
+    from kvcore.blocks import BlockLedger
+
+__all__ = [
+    "ElasticPagedTokenToKVPoolAllocator",
+    "ElasticTokenToKVPoolAllocator",
+    "elastic_allocator",
+]
+
+
+class _ElasticMixin:
+    """What both elastic allocators share: the ledger, the cache bound, conservation."""
+
+    page_size: int
+    device: Any
+    kvcore: ElasticKVManager
+    ledger: BlockLedger
+    max_cached_tokens: int | None
+
+    def _bind(self, kvcache: Any) -> None:
+        manager = getattr(kvcache, "kvcore_manager", None)
+        if manager is None:
+            raise UnsupportedConfiguration(
+                f"elastic allocator over a {type(kvcache).__name__} whose buffers kvcore did "
+                "not create (quantized KV caches and pool subclasses such as FP4, MXFP8 or "
+                "page-major pools are not supported)",
+                hint="build the KV pool inside the kvcore elastic scope (the patched "
+                "KVCacheConfigurator does this when --kvcore-elastic is on)",
+            )
+        self.kvcore = manager
+        self.ledger = manager.ledger
+        self.max_cached_tokens = manager.config.max_cached_tokens
+        self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
+
+    def _free_all(self) -> None:
+        ledger = self.ledger
+        held = [b for b in range(1, ledger.geometry.num_blocks) if ledger.is_allocated(b)]
+        if held:
+            ledger.free(held)
+
+    def _free_ids(self) -> torch.Tensor:
+        ledger = self.ledger
+        free = [b for b in range(1, ledger.geometry.num_blocks) if not ledger.is_allocated(b)]
+        return torch.tensor(free, dtype=torch.int64, device=self.device)
+
+    def conservation_available_size(self) -> int:
+        """Tokens the ledger holds free (logical, not capped by the physical budget): the
+        ``available`` term of the scheduler's "available + evictable + protected = total"
+        leak check in elastic mode."""
+        return (self.ledger.geometry.num_blocks - self.ledger.used()) * self.page_size
+
+    def enforce_cache_bound(self, tree_cache: Any) -> int:
+        """Evict the prefix cache down to ``max_cached_tokens`` evictable tokens; returns the
+        tokens evicted (0 without a bound or a sharing cache)."""
+        bound = self.max_cached_tokens
+        if bound is None or tree_cache is None or not tree_cache.supports_prefix_sharing():
+            return 0
+        excess = tree_cache.evictable_size() - bound
+        if excess <= 0:
+            return 0
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        return int(tree_cache.evict(EvictParams(num_tokens=excess)).num_tokens_evicted)
+
+    def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> bool | None:
+        """SGLang's pre-allocation eviction, after first enforcing the cache bound."""
+        self.enforce_cache_bound(tree_cache)
+        return super().evict_to_free_tokens(tree_cache, num_tokens)  # type: ignore[misc,no-any-return]
+
+
+class ElasticTokenToKVPoolAllocator(_ElasticMixin, TokenToKVPoolAllocator):  # type: ignore[misc]
+    """``TokenToKVPoolAllocator`` (``page_size == 1``) over kvcore's ledger: block = token."""
+
+    def __init__(
+        self, size: int, dtype: torch.dtype, device: str, kvcache: Any, need_sort: bool
+    ) -> None:
+        self.ledger = None  # type: ignore[assignment]  # clear() runs inside super().__init__
+        super().__init__(size, dtype, device, kvcache, need_sort)
+        self._bind(kvcache)
+        self.clear()
+
+    def clear(self) -> None:
+        self.free_group = None
+        if self.ledger is None:
+            return
+        self._free_all()
+        self.free_pages = self._empty
+        self.release_pages = self._empty
+
+    def available_size(self) -> int:
+        return self.ledger.available()
+
+    def get_all_free_pages(self) -> torch.Tensor:
+        return self._free_ids()
+
+    def merge_and_sort_free(self) -> None:
+        return None
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        ids = self.ledger.alloc(need_size)
+        if ids is None:
+            return None
+        return torch.tensor(ids, dtype=torch.int64, device=self.device)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        if free_index.numel() == 0:
+            return
+        if self.free_group is not None:
+            self.free_group.append(self._copy_for_free_group(free_index))
+            return
+        self.ledger.free(free_index.tolist())
+
+
+class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAllocator):  # type: ignore[misc]
+    """``PagedTokenToKVPoolAllocator`` over kvcore's ledger: block = SGLang page.
+
+    ``alloc_extend``/``alloc_decode`` count the new pages exactly, take that many block ids
+    from the ledger and let SGLang's own index kernel lay the request tokens onto them.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: str,
+        kvcache: Any,
+        need_sort: bool,
+    ) -> None:
+        self.ledger = None  # type: ignore[assignment]  # clear() runs inside super().__init__
+        super().__init__(size, page_size, dtype, device, kvcache, need_sort)
+        self._bind(kvcache)
+        if self.ledger.geometry.num_blocks != self.num_pages + 1:
+            raise UnsupportedConfiguration(
+                f"elastic paged allocator: {self.num_pages} SGLang pages but the KV pool has "
+                f"{self.ledger.geometry.num_blocks - 1} kvcore blocks",
+                hint="give the allocator and the pool the same size and page size",
+            )
+        self.clear()
+
+    def clear(self) -> None:
+        self.free_group = None
+        self.free_page_ids_group: list[torch.Tensor] = []
+        self.staged_pages: list[torch.Tensor] = []
+        self.num_staged_pages = 0
+        if self.ledger is None:
+            return
+        self._free_all()
+        self.free_pages = self._empty
+
+    def available_size(self) -> int:
+        return self.ledger.available() * self.page_size
+
+    def get_all_free_pages(self) -> torch.Tensor:
+        return self._free_ids()
+
+    def merge_and_sort_free(self) -> None:
+        return None
+
+    def _take(self, num_pages: int) -> bool:
+        """Stage ``num_pages`` fresh ledger blocks as ``free_pages`` for SGLang's kernel."""
+        ids = self.ledger.alloc(num_pages)
+        if ids is None:
+            return False
+        self.free_pages = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        return True
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        ps = self.page_size
+        if not self._take(need_size // ps):
+            return None
+        out = (self.free_pages[:, None] * ps + torch.arange(ps, device=self.device)).reshape(-1)
+        self.free_pages = self._empty
+        return out
+
+    def alloc_extend(
+        self,
+        prefix_lens: torch.Tensor,
+        prefix_lens_cpu: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        last_loc: torch.Tensor,
+        extend_num_tokens: int,
+        num_new_pages: int | None = None,
+    ) -> torch.Tensor | None:
+        if num_new_pages is None:
+            num_new_pages = int(
+                get_num_new_pages(
+                    seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu
+                )
+            )
+        if not self._take(num_new_pages):
+            return None
+        try:
+            out: torch.Tensor = super().alloc_extend(
+                prefix_lens,
+                prefix_lens_cpu,
+                seq_lens,
+                seq_lens_cpu,
+                last_loc,
+                extend_num_tokens,
+                num_new_pages=num_new_pages,
+            )
+        except BaseException:
+            self._release_page_ids(self.free_pages)
+            raise
+        finally:
+            self.free_pages = self._empty
+        return out
+
+    def alloc_decode(
+        self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor
+    ) -> torch.Tensor | None:
+        num_new_pages = int(
+            get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True)
+        )
+        if not self._take(num_new_pages):
+            return None
+        try:
+            out: torch.Tensor = super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+        except BaseException:
+            self._release_page_ids(self.free_pages)
+            raise
+        finally:
+            self.free_pages = self._empty
+        return out
+
+    def _release_page_ids(self, *page_ids: torch.Tensor) -> None:
+        # every upstream free path (free, free_segment, free_page_ids, free_group_end) ends here
+        ids = page_ids[0] if len(page_ids) == 1 else torch.cat(page_ids)
+        if ids.numel():
+            self.ledger.free(ids.tolist())
+
+
+_ELASTIC = {
+    TokenToKVPoolAllocator: ElasticTokenToKVPoolAllocator,
+    PagedTokenToKVPoolAllocator: ElasticPagedTokenToKVPoolAllocator,
+}
+
+
+def elastic_allocator(upstream: Any) -> Any:
+    """The elastic equivalent of SGLang's freshly built allocator ``upstream`` (same size,
+    page size, dtype, device, KV pool and sort mode); ``upstream`` is discarded.
+
+    Raises ``UnsupportedConfiguration`` naming the allocator class when it is not one of the
+    two stock allocators (hybrid SWA, HiSparse, page-interleave sharding, NPU, DSV4).
+    """
+    if isinstance(upstream, _ElasticMixin):
+        raise UnsupportedConfiguration(
+            "kvcore elastic KV does not support speculative decoding (a draft worker's KV "
+            "pool sharing the target's elastic allocator)",
+            hint="start without --speculative-algorithm or without --kvcore-elastic",
+        )
+    cls = _ELASTIC.get(type(upstream))
+    if cls is None:
+        raise UnsupportedConfiguration(
+            f"kvcore elastic KV does not support SGLang's {type(upstream).__name__}",
+            hint="supported: TokenToKVPoolAllocator and PagedTokenToKVPoolAllocator (full-"
+            "attention MHA/MLA models without hybrid SWA, HiSparse, KV sharding or DCP); "
+            "start without --kvcore-elastic",
+        )
+    kvcache = upstream.get_kvcache()
+    if cls is ElasticTokenToKVPoolAllocator:
+        return cls(upstream.size, upstream.dtype, upstream.device, kvcache, upstream.need_sort)
+    return cls(
+        upstream.size,
+        upstream.page_size,
+        upstream.dtype,
+        upstream.device,
+        kvcache,
+        upstream.need_sort,
+    )

@@ -1,0 +1,98 @@
+"""Options of SGLang's elastic KV mode (``--kvcore-elastic --kvcore-config '{...}'``).
+
+``ElasticConfig.parse(value)`` turns the server argument (a JSON object, already decoded by
+SGLang's argument parser into a dict, or ``None``) into a validated, frozen config. Every
+unknown key or wrong type raises ``UnsupportedConfiguration`` at start-up, naming the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvcore.errors import UnsupportedConfiguration
+
+__all__ = ["ElasticConfig"]
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    """Per-rank elastic KV options.
+
+    ``backend``: VMM backend name (``cuda``, ``hip``, ``host``); ``backend_options``: keyword
+    arguments for it (``host``: ``device_bytes``, ``granularity``). ``limit_bytes``: the
+    physical budget of this rank's KV cache (``None``: only the device limits it).
+    ``reserve_min``/``reserve_max``: pre-mapped idle pages kept for bursts.
+    ``max_cached_tokens``: bound on the radix cache's evictable tokens (``None``: unbounded,
+    as upstream). ``page_bytes``: physical page size (default: the smallest multiple of the
+    backend granularity that holds whole SGLang pages). ``sanity``: map the zero page
+    writable and check it at every transition (debugging).
+    """
+
+    backend: str = "cuda"
+    backend_options: Mapping[str, Any] = field(default_factory=dict)
+    limit_bytes: int | None = None
+    reserve_min: int = 0
+    reserve_max: int = 0
+    max_cached_tokens: int | None = None
+    page_bytes: int | None = None
+    sanity: bool = False
+
+    @classmethod
+    def parse(cls, value: Mapping[str, Any] | str | None) -> ElasticConfig:
+        """Build from the ``--kvcore-config`` value (dict, JSON text or ``None``).
+
+        Raises ``UnsupportedConfiguration`` for unknown keys, wrong types or bad bounds.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise UnsupportedConfiguration(
+                    f"--kvcore-config is not valid JSON: {exc}",
+                    hint="pass a JSON object, e.g. '{\"limit_bytes\": 8589934592}'",
+                ) from None
+        if not isinstance(value, Mapping):
+            raise UnsupportedConfiguration(
+                f"--kvcore-config must be a JSON object, got {type(value).__name__}"
+            )
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise UnsupportedConfiguration(
+                f"--kvcore-config: unknown key(s) {unknown}",
+                hint=f"known keys: {', '.join(known)}",
+            )
+        kwargs: dict[str, Any] = dict(value)
+        for name in ("limit_bytes", "max_cached_tokens", "page_bytes"):
+            _check_int(kwargs, name, optional=True)
+        for name in ("reserve_min", "reserve_max"):
+            _check_int(kwargs, name, optional=False)
+        if not isinstance(kwargs.get("backend", "cuda"), str):
+            raise UnsupportedConfiguration("--kvcore-config: backend must be a string")
+        if not isinstance(kwargs.get("backend_options", {}), Mapping):
+            raise UnsupportedConfiguration("--kvcore-config: backend_options must be an object")
+        if not isinstance(kwargs.get("sanity", False), bool):
+            raise UnsupportedConfiguration("--kvcore-config: sanity must be true or false")
+        config = cls(**kwargs)
+        if config.reserve_min > config.reserve_max:
+            raise UnsupportedConfiguration(
+                f"--kvcore-config: reserve_min={config.reserve_min} exceeds "
+                f"reserve_max={config.reserve_max}"
+            )
+        return config
+
+
+def _check_int(kwargs: dict[str, Any], name: str, *, optional: bool) -> None:
+    if name not in kwargs or (optional and kwargs[name] is None):
+        return
+    v = kwargs[name]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise UnsupportedConfiguration(
+            f"--kvcore-config: {name} must be a non-negative integer, got {v!r}"
+        )

@@ -1,0 +1,171 @@
+"""The elastic scope: what the patched SGLang calls while it builds one rank's KV pools.
+
+The patch series adds three seams to SGLang and this module is what they call:
+
+* ``KVCacheConfigurator.configure`` (kv_cache_configurator.py) opens
+  ``ElasticScope(config, device_index=...)`` around ``_init_pools`` when ``--kvcore-elastic``
+  is on, and passes the allocator it built through ``scope.allocator(...)``;
+* while the scope is open, ``memory_pool.KV_BUFFER_HOOK`` is ``scope.create_buffers``, which
+  ``MHATokenToKVPool._create_buffers`` and ``MLATokenToKVPool._create_buffers`` call instead
+  of ``torch.zeros``: the pool's buffers become kvcore virtual-tensor views, and the pool
+  gets a ``kvcore_manager`` attribute;
+* the scheduler's leak check reads ``conservation_available_size()`` from the allocator.
+
+Everything here runs in the process of one TP rank and touches only that rank's memory.
+Unsupported pool configurations raise ``UnsupportedConfiguration`` naming the setting.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from typing import Any
+
+from kvcore.adapters.sglang.allocators import elastic_allocator
+from kvcore.adapters.sglang.config import ElasticConfig
+from kvcore.adapters.sglang.manager import ElasticKVManager
+from kvcore.errors import UnsupportedConfiguration
+
+__all__ = ["ElasticScope"]
+
+log = logging.getLogger(__name__)
+
+
+class ElasticScope:
+    """Context manager installing kvcore's buffer hook into SGLang's ``memory_pool``.
+
+    ``config`` is the ``--kvcore-config`` value (dict, JSON or ``None``) or an
+    ``ElasticConfig``. Managers created inside stay alive after the scope closes (the pools
+    use them) and are closed by ``close()`` or at interpreter exit.
+    """
+
+    def __init__(
+        self,
+        config: ElasticConfig | dict[str, Any] | str | None,
+        *,
+        device_index: int = 0,
+    ) -> None:
+        self.config = config if isinstance(config, ElasticConfig) else ElasticConfig.parse(config)
+        self.device_index = device_index
+        self.managers: list[ElasticKVManager] = []
+        self._previous: Any = None
+        self._memory_pool: Any = None
+        atexit.register(self.close)
+
+    def __enter__(self) -> ElasticScope:
+        from sglang.srt.mem_cache import memory_pool
+
+        if memory_pool.KV_BUFFER_HOOK is not None:
+            raise UnsupportedConfiguration(
+                "a kvcore elastic scope is already open in this process",
+                hint="build one rank's pools at a time",
+            )
+        self._memory_pool = memory_pool
+        memory_pool.KV_BUFFER_HOOK = self.create_buffers
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._memory_pool is not None:
+            self._memory_pool.KV_BUFFER_HOOK = None
+            self._memory_pool = None
+
+    # -- seams ---------------------------------------------------------------------------
+
+    def create_buffers(self, pool: Any) -> None:
+        """Give ``pool`` (an ``MHATokenToKVPool`` or ``MLATokenToKVPool`` being built) kvcore
+        buffers instead of ``torch.zeros`` ones. Raises ``UnsupportedConfiguration`` for any
+        other pool class or layout."""
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+        kind = type(pool)
+        if kind is MHATokenToKVPool:
+            self._check_mha(pool)
+            rows = pool.size + pool.page_size
+            k_row = (pool.head_num, pool.head_dim)
+            v_row = (pool.head_num, pool.v_head_dim)
+            if k_row != v_row:
+                raise UnsupportedConfiguration(
+                    f"kvcore elastic KV needs equal K and V head dims, got {pool.head_dim} "
+                    f"and {pool.v_head_dim}"
+                )
+            manager = self._manager(pool, kv_buffers=2, row=k_row, rows=rows)
+            dt = pool.store_dtype
+            pool.k_buffer = [manager.buffer(layer, 0, dt, k_row) for layer in range(pool.layer_num)]
+            pool.v_buffer = [manager.buffer(layer, 1, dt, v_row) for layer in range(pool.layer_num)]
+        elif kind is MLATokenToKVPool:
+            self._check_common(pool)
+            rows = pool.size + pool.page_size
+            row = (1, pool.kv_cache_dim)
+            manager = self._manager(pool, kv_buffers=1, row=row, rows=rows)
+            dt = pool.store_dtype
+            pool.kv_buffer = [manager.buffer(layer, 0, dt, row) for layer in range(pool.layer_num)]
+        else:
+            raise UnsupportedConfiguration(
+                f"kvcore elastic KV does not support SGLang's {kind.__name__}",
+                hint="supported pools: MHATokenToKVPool and MLATokenToKVPool (unquantized, "
+                "NHD layout); start without --kvcore-elastic",
+            )
+        pool.kvcore_manager = manager
+
+    def allocator(self, upstream: Any) -> Any:
+        """The elastic equivalent of the allocator SGLang built over a kvcore pool (see
+        ``kvcore.adapters.sglang.allocators.elastic_allocator``)."""
+        return elastic_allocator(upstream)
+
+    def close(self) -> None:
+        """Close every manager this scope created (unmaps pages, frees ranges)."""
+        managers, self.managers = self.managers, []
+        for manager in managers:
+            manager.close()
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _manager(
+        self, pool: Any, *, kv_buffers: int, row: tuple[int, ...], rows: int
+    ) -> ElasticKVManager:
+        row_bytes = pool.store_dtype.itemsize
+        for d in row:
+            row_bytes *= d
+        manager = ElasticKVManager(
+            self.config,
+            num_layers=pool.layer_num,
+            kv_buffers=kv_buffers,
+            row_bytes=row_bytes,
+            page_size=pool.page_size,
+            num_rows=rows,
+            device_index=self.device_index,
+        )
+        self.managers.append(manager)
+        return manager
+
+    @staticmethod
+    def _check_common(pool: Any) -> None:
+        unsupported = {
+            "enable_memory_saver (torch_memory_saver)": bool(
+                getattr(pool.memory_saver_adapter, "enabled", False)
+            ),
+            "a custom CUDA memory pool": bool(getattr(pool, "custom_mem_pool", None)),
+            "a pool size that is not a whole number of pages": pool.size % pool.page_size != 0,
+        }
+        bad = [name for name, on in unsupported.items() if on]
+        if bad:
+            raise UnsupportedConfiguration(
+                f"kvcore elastic KV does not support {', '.join(bad)} ({type(pool).__name__})",
+                hint="turn the named option off or start without --kvcore-elastic",
+            )
+
+    @classmethod
+    def _check_mha(cls, pool: Any) -> None:
+        cls._check_common(pool)
+        unsupported = {
+            "a quantized KV cache (--kv-cache-dtype fp4/mxfp8 recipes)": pool.is_quantized_kv_cache,
+            "post-capture KV backing (SGLang's own CUDA VMM arena)": pool.post_capture_active,
+            "the HND KV layout (SGLANG_USE_HND_KVCACHE)": pool.use_hnd,
+            f"the {pool.kv_cache_layout!r} KV layout": pool.kv_cache_layout != "nhd",
+        }
+        bad = [name for name, on in unsupported.items() if on]
+        if bad:
+            raise UnsupportedConfiguration(
+                f"kvcore elastic KV does not support {', '.join(bad)}",
+                hint="turn the named option off or start without --kvcore-elastic",
+            )
