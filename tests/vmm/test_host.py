@@ -113,10 +113,11 @@ def test_as_tensor_is_the_mapping_itself() -> None:
 @pytest.mark.parametrize(
     ("action", "setup"),
     [
-        ("read of an unbacked address", "pass"),
-        (
+        pytest.param("read of an unbacked address", "pass", id="unbacked-read"),
+        pytest.param(
             "write to a read-only mapping",
             "b.map(va, g, b.create(g)); b.set_access(va, g, writable=False)",
+            id="read-only-write",
         ),
     ],
 )
