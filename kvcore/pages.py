@@ -196,6 +196,8 @@ class PageAllocator:
         self._refill_paused = False  # set by trim() until the next acquire
         self._retry_at = 0.0  # no background map before this monotonic time
         self._backoff = retry_interval  # doubles on each background miss, up to 20x
+        self._unmap_retry_at = 0.0  # no background unmap before this (after a failed one)
+        self._unmap_backoff = retry_interval
         self._batch_limit = num_pages  # pages per background map; halves on each miss
         self._reserve_dirty = True
         self._busy = False  # background thread inside a round
@@ -522,8 +524,7 @@ class PageAllocator:
         for p in pages:
             if state[p] != frm:
                 self._fail_locked(
-                    f"page {p} is {_name(state[p])}, expected {_name(frm)} "
-                    f"(moving to {_name(to)})"
+                    f"page {p} is {_name(state[p])}, expected {_name(frm)} (moving to {_name(to)})"
                 )
             state[p] = to
 
@@ -633,8 +634,9 @@ class PageAllocator:
             self._move(pages, _MAPPING, _FREE)
             self._free.extend(reversed(pages))
 
-    def _unmap(self, pages: list[int]) -> None:
-        """Unmap ``UNMAPPING`` pages (background thread only) and return their bytes."""
+    def _unmap(self, pages: list[int]) -> bool:
+        """Unmap ``UNMAPPING`` pages (background thread only) and return their bytes.
+        ``False`` when the prepare failed and the pages went back to the reserve."""
         try:
             with self._mapper_lock:
                 self._calls_refill += 1
@@ -642,12 +644,12 @@ class PageAllocator:
         except PageQuarantined as exc:
             bad = _named_or_all(exc.page_ids, pages)
             self._settle_unmap_failure(pages, bad)
-            return
+            return False
         except PoolFailed as exc:
             self._fail(f"mapper failed while unmapping pages {pages}: {exc}", exc)
         except VmmError:  # the mapper restored the mappings: the pages stay mapped
             self._settle_unmap_failure(pages, [])
-            return
+            return False
         except BaseException as exc:
             self._fail(f"unexpected error while unmapping pages {pages}: {exc!r}", exc)
         quarantined: list[int] = []
@@ -668,6 +670,7 @@ class PageAllocator:
             except BaseException as exc:
                 self._fail(f"unexpected error committing unmap of {pages}: {exc!r}", exc)
         self._to_free(pages, _UNMAPPING, quarantined=quarantined)
+        return True
 
     def _to_free(self, pages: list[int], frm: int, quarantined: Sequence[int]) -> None:
         """Pages leave a failed or finished mapper call: ``quarantined`` ones for good (their
@@ -682,13 +685,15 @@ class PageAllocator:
 
     def _settle_unmap_failure(self, pages: list[int], quarantined: Sequence[int]) -> None:
         """A prepare failed: quarantined pages leave, the rest are still mapped and go back
-        to the reserve; the next unmap waits ``retry_interval``."""
+        to the reserve; the next unmap waits ``retry_interval``, doubling per further
+        failure."""
         with self._lock:
             self._move(quarantined, _UNMAPPING, _QUARANTINED)
             kept = [p for p in pages if p not in quarantined]
             self._move(kept, _UNMAPPING, _RESERVED)
             self._reserve.extend(kept)
-            self._retry_at = time.monotonic() + self._retry_interval
+            self._unmap_retry_at = time.monotonic() + self._unmap_backoff
+            self._unmap_backoff = min(2 * self._unmap_backoff, 20 * self._retry_interval)
 
     # ------------------------------------------------------------------ background thread
 
@@ -721,8 +726,9 @@ class PageAllocator:
         with self._lock:
             self._reserve_cap = min(max(cap, 0), self._reserve_max)
             unmaps, maps = self._plan_locked()
-        if unmaps:
-            self._unmap(unmaps)
+        if unmaps and self._unmap(unmaps):
+            with self._lock:
+                self._unmap_backoff = self._retry_interval
         if maps:
             if self._map(maps, refill=True):
                 with self._lock:
@@ -744,23 +750,31 @@ class PageAllocator:
             self._settled.notify_all()
         return True
 
+    def _unmap_pending_locked(self) -> bool:
+        return bool(self._unmap_queue) or len(self._reserve) > self._reserve_cap
+
     def _has_work_locked(self) -> bool:
-        if self._kick or self._unmap_queue or len(self._reserve) > self._reserve_cap:
+        if self._kick:
+            return True
+        if self._unmap_pending_locked() and time.monotonic() >= self._unmap_retry_at:
             return True
         return self._refill_deficit_locked() > 0 and not self._refill_blocked_locked()
 
     def _wait_timeout_locked(self) -> float:
-        if self._refill_deficit_locked() > 0 and self._free:
-            wait = self._retry_at - time.monotonic()
-            if wait > 0:
-                return min(wait, self._poll_interval)
-        return self._poll_interval
+        now = time.monotonic()
+        wait = self._poll_interval
+        if self._refill_deficit_locked() > 0 and self._free and self._retry_at > now:
+            wait = min(wait, self._retry_at - now)
+        if self._unmap_pending_locked() and self._unmap_retry_at > now:
+            wait = min(wait, self._unmap_retry_at - now)
+        return wait
 
     def _plan_locked(self) -> tuple[list[int], list[int]]:
         """Pick this round's unmaps and maps and move their pages into flight."""
         reserve = self._reserve
         surplus = len(reserve) - self._reserve_cap
-        if surplus > 0:
+        unmap_now = time.monotonic() >= self._unmap_retry_at
+        if surplus > 0 and unmap_now:
             drop = reserve[:surplus]
             del reserve[:surplus]
             self._move(drop, _RESERVED, _QUEUED)
@@ -780,9 +794,11 @@ class PageAllocator:
             maps = self._free[len(self._free) - k :]
             del self._free[len(self._free) - k :]
             self._move(maps, _FREE, _MAPPING)
-        unmaps = queue[:]
-        queue.clear()
-        self._move(unmaps, _QUEUED, _UNMAPPING)
+        unmaps: list[int] = []
+        if unmap_now:
+            unmaps = queue[:]
+            queue.clear()
+            self._move(unmaps, _QUEUED, _UNMAPPING)
         return unmaps, maps
 
 

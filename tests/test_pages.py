@@ -217,6 +217,25 @@ def test_unmap_failing_keeps_the_page_mapped_and_a_later_round_unmaps_it(backend
         stack.close()
 
 
+def test_a_persistently_failing_unmap_is_retried_with_backoff_not_in_a_spin(backend: str) -> None:
+    stack = build_stack(backend, reserve_max=0)
+    try:
+        ids = stack.pages.acquire(1)
+        assert ids is not None
+        stack.vmm.fail("unmap", times=10_000)
+        stack.vmm.reset_counts()
+        stack.pages.release(ids)
+        assert not stack.pages.flush(timeout=0.5)  # it cannot settle, and says so
+        # retry_interval 10 ms doubling to 200 ms: a handful of attempts in 0.5 s, not a spin
+        assert 2 <= stack.vmm.calls("unmap") <= 12
+        assert stack.pages.state(ids[0]) in (S.RESERVED, S.UNMAP_QUEUED, S.UNMAPPING)
+        stack.vmm.clear()
+        assert stack.pages.flush()
+        assert stack.pages.state(ids[0]) is S.FREE and stack.mapped_pages() == set()
+    finally:
+        stack.close()
+
+
 def test_handle_release_failing_after_unmap_frees_the_page_and_leaks_nothing(backend: str) -> None:
     stack = build_stack(backend, reserve_max=0)
     try:
