@@ -12,8 +12,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from kvcore.gpu_ledger import GpuLedger, LedgerGate
@@ -21,6 +24,32 @@ from kvcore.vmm.base import Handle
 from kvcore.vmm.host import HostBackend
 
 PAGE = 64 << 10
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def spawn_holder(
+    name: str, nbytes: int, reserve: int = 0, *, role: str = "hold"
+) -> tuple[subprocess.Popen[str], int]:
+    """Start ``python -m tests.ledger_procs <role>`` (an instance holding ``nbytes``) and
+    wait until it has registered; returns the process and its pid. ``kill`` it."""
+    args = [name, str(1024 << 20), str(nbytes)] + ([str(reserve)] if role == "hold" else [])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.ledger_procs", role, *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = json.loads(proc.stdout.readline())
+    assert line.get("admitted", True), line
+    return proc, int(line["pid"])
+
+
+def kill(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL ``proc`` and reap it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
 
 
 def host_backend(device_bytes: int) -> HostBackend:

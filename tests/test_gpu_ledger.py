@@ -6,12 +6,8 @@ from __future__ import annotations
 
 import fcntl
 import grp
-import json
 import multiprocessing
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,9 +19,8 @@ from kvcore.accounting import MemoryGate
 from kvcore.errors import LedgerError, LedgerNotFound, RevisionConflict, UnknownInstance
 from kvcore.gpu_ledger import GpuLedger, LedgerGate, Liveness, ledger_path
 from tests import ledger_procs
-from tests.ledger_procs import PAGE
+from tests.ledger_procs import PAGE, kill, spawn_holder
 
-ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 UUID = "GPU-test-0000"
 
@@ -361,31 +356,12 @@ def test_device_free_is_published_from_the_backend() -> None:
 # -- stale records ------------------------------------------------------------------------
 
 
-def _spawn_holder(name: str, nbytes: int, reserve: int = 0) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.ledger_procs", "hold", name]
-        + [str(v) for v in (1024 * MiB, nbytes, reserve)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    line = json.loads(proc.stdout.readline())
-    assert line["admitted"], line
-    return proc, int(line["pid"])
-
-
-def _kill(proc: subprocess.Popen[str]) -> None:
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(10)
-
-
 @pytest.mark.parametrize("reclaimer", ["next-instance", "reclaim_stale", "budget-refusal"])
 def test_sigkilled_instance_is_reclaimed(reclaimer: str) -> None:
     backend = ledger_procs.host_backend(1024 * MiB)
     led = GpuLedger.open(backend.device_uuid(), device_total=1024 * MiB)
     led.set_budget(64 * MiB)
-    proc, pid = _spawn_holder("victim", 64 * MiB)
+    proc, pid = spawn_holder("victim", 64 * MiB)
     try:
         victim = led.snapshot().find("victim")
         assert victim is not None and victim.mapped == 64 * MiB and victim.pid == pid
@@ -394,7 +370,7 @@ def test_sigkilled_instance_is_reclaimed(reclaimer: str) -> None:
             g = LedgerGate(led, name="next", engine="test")
             assert not g.try_acquire(PAGE)
             g._last_sweep = 0.0  # the refusal above used this period's sweep
-        _kill(proc)
+        kill(proc)
         assert led.snapshot().find("victim").liveness is Liveness.STALE  # type: ignore[union-attr]
         if reclaimer == "next-instance":
             g = LedgerGate(led, name="next", engine="test")
@@ -407,7 +383,7 @@ def test_sigkilled_instance_is_reclaimed(reclaimer: str) -> None:
         assert [r.name for r in snap.records] == ["next"] and snap.total_mapped == 64 * MiB
     finally:
         if proc.poll() is None:
-            _kill(proc)
+            kill(proc)
         led.close()
         backend.close()
 

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  kvctl limit llama-a 8G --if-revision 3   # only if nobody changed it since rev 3",
     )
     p.add_argument("name", help="instance name (see kvctl list)")
-    p.add_argument("size", help=f"new limit: {ACCEPTED}")
+    p.add_argument("size", help="new limit: " + ACCEPTED.replace("%", "%%"))
     p.add_argument(
         "--if-revision",
         type=int,
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         "set the GPU-wide budget all kvcore instances on a GPU share",
         "  kvctl budget 100G\n  kvctl budget 90%\n  kvctl budget none   # the whole device",
     )
-    p.add_argument("size", help=f"new budget: {ACCEPTED}")
+    p.add_argument("size", help="new budget: " + ACCEPTED.replace("%", "%%"))
     p.add_argument("--if-revision", type=int, default=None, metavar="N", help="compare-and-set")
 
     p = add(
