@@ -56,18 +56,21 @@ def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def render_markdown(results: dict[str, Any]) -> str:
-    """The whole report as Markdown."""
+def render_markdown(results: dict[str, Any], level: int = 2) -> str:
+    """The whole report as Markdown, its headings at ``level`` (2: ``##``)."""
+    h = "#" * level
     meta = results.get("meta", {})
-    lines = ["## Environment", "", "| | |", "|---|---|"]
+    lines = [f"{h} Environment", "", "| | |", "|---|---|"]
     for label, key in ENV_KEYS:
         if meta.get(key) is not None:
             value = f"`{meta[key]}`" if key in ("command", "commit") else meta[key]
             lines.append(f"| {label} | {_cell(value)} |")
+    if len(lines) == 4:
+        lines.append("| run | not yet run |")
     lines.append("")
     decisions = results.get("decisions") or {}
     if decisions:
-        lines += ["## Decisions", ""]
+        lines += [f"{h} Decisions", ""]
         for key, dec in decisions.items():
             summary = dec.get("summary", dec) if isinstance(dec, dict) else dec
             lines.append(f"- **{key}**: {_cell(summary)}")
@@ -75,7 +78,7 @@ def render_markdown(results: dict[str, Any]) -> str:
     figures = results.get("figures", [])
     for fig, title in FIGURES.items():
         rows = [f for f in figures if f.get("figure") == fig]
-        lines += [f"## {title}", ""]
+        lines += [f"{h} {title}", ""]
         if not rows:
             lines += ["not yet run", ""]
             continue
@@ -106,8 +109,9 @@ def render_markdown(results: dict[str, Any]) -> str:
             )
         lines.append("")
     steps = results.get("steps", {})
+    lines += _channel_table(steps.get("channel", {}), h)
     if steps:
-        lines += ["## Steps", "", "| step | status | seconds | detail |", "|---|---|---|---|"]
+        lines += [f"{h} Steps", "", "| step | status | seconds | detail |", "|---|---|---|---|"]
         for name, rec in steps.items():
             detail = rec.get("error") or rec.get("reason") or ""
             if name == "pytest" and rec.get("status") == "ok":
@@ -123,10 +127,35 @@ def render_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _channel_table(step: dict[str, Any], h: str) -> list[str]:
+    """The worker-channel latency rows of ``channel_latency.py --json``, where present."""
+    data = (step.get("details") or {}).get("results") or {}
+    rows = data.get("channel") if isinstance(data, dict) else None
+    if not rows:
+        return []
+    local = data.get("local", {})
+    out = [
+        f"{h} Worker channel: per-page map/unmap through the channel vs the local mapper",
+        "",
+        f"Local mapper: map {_num(local.get('map_ms'))} ms, unmap "
+        f"{_num(local.get('unmap_ms'))} ms per page.",
+        "",
+        "| workers | map ms/page | unmap ms/page | map vs local | unmap vs local |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r.get('workers')} | {_num(r.get('map_ms'))} | {_num(r.get('unmap_ms'))} | "
+            f"{_num(r.get('map_ratio'), 3)} | {_num(r.get('unmap_ratio'), 3)} |"
+        )
+    return [*out, ""]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", type=Path, help="results.json written by gpu_suite.py")
     ap.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
+    ap.add_argument("--level", type=int, default=2, help="heading level (3 inside the docs)")
     ap.add_argument(
         "--commit", help="override the recorded commit (e.g. when the device copy had no .git)"
     )
@@ -134,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads(args.results.read_text())
     if args.commit:
         results.setdefault("meta", {})["commit"] = args.commit
-    text = render_markdown(results)
+    text = render_markdown(results, args.level)
     if args.output:
         args.output.write_text(text)
     else:
