@@ -6,6 +6,7 @@ spinner with the step's name. Non-terminal output (CI logs, tests) gets plain li
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -30,10 +31,11 @@ def info(message: str) -> None:
 
 @contextmanager
 def step(title: str) -> Iterator[None]:
-    """Show ``title`` with a spinner while the block runs, then a done line."""
+    """Show ``title`` with a spinner while the block runs, then a done line with its time."""
+    start = time.monotonic()
     with console.status(title):
         yield
-    info(f"done: {title}")
+    info(f"done: {title} ({time.monotonic() - start:.1f} s)")
 
 
 @contextmanager

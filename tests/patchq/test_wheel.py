@@ -21,6 +21,7 @@ SEAM = "        taken = self.allocator.take(n)  # kvcore seam\n"
 
 def _members(wheel: Path) -> dict[str, bytes]:
     with zipfile.ZipFile(wheel) as zf:
+        assert zf.testzip() is None  # every member's CRC checks out
         return {i.filename: zf.read(i) for i in zf.infolist()}
 
 
@@ -76,7 +77,10 @@ def test_series_build_swaps_in_patched_sources_and_installs_with_the_local_versi
     assert members["toyeng/core.py"] == (fork / "toyeng/core.py").read_bytes()
     assert members["toyeng/kvcore_hook.py"] == b"HOOK = None\n"
     assert members["toyeng/_native.abi3.so"].startswith(b"\x7fELF")  # the release's binary
-    assert "toyeng-1.0.0+kvcore.1.data/scripts/toyeng-serve" in members
+    with zipfile.ZipFile(wheel) as zf:  # modes and dates of untouched members are upstream's
+        script = zf.getinfo("toyeng-1.0.0+kvcore.1.data/scripts/toyeng-serve")
+        assert (script.external_attr >> 16) & 0o777 == 0o755
+        assert script.date_time == (2024, 1, 2, 3, 4, 6)
     _assert_record_matches(members, "toyeng-1.0.0+kvcore.1.dist-info")
     # Same series, same bytes.
     first = wheel.read_bytes()
