@@ -1,0 +1,205 @@
+"""Elastic KV inside the real SGLang allocator, pool and radix cache (the kvcore fork only).
+
+Physical pages are observed through the page allocator's stats on the host backend: extend
+and decode allocation map pages, freeing and radix eviction unmap them, the cached-token
+bound holds, a tight budget is an allocation failure the scheduler handles, unsupported
+configurations fail at start-up naming the setting, elastic off is upstream's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+from array import array
+from typing import Any
+
+import pytest
+import torch
+from sglang.srt.mem_cache import memory_pool
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from kvcore.errors import UnsupportedConfiguration
+
+from .harness import PATCHED, build, requires_fork
+from .test_conformance import extend, radix
+
+pytestmark = requires_fork
+
+# MHA, 2 layers x K/V, 2 heads x 64 dims, bf16: 256 bytes a token row, 4 KiB a 16-token
+# SGLang page; a 64 KiB host page holds 16 SGLang pages (256 tokens).
+TOKENS_PER_PAGE = 256
+
+
+def test_extend_and_decode_map_pages_on_demand(make: Any) -> None:
+    e = make("on", size=2048, page_size=16)
+    a = e.allocator
+    base = e.pages()
+    assert base.in_use == 1  # the padded page 0 (block 0) only
+    out = extend(a, [0, 0], [300, 200], [-1, -1])
+    assert out.numel() == 500
+    after_extend = e.pages()
+    # 19 + 13 SGLang pages + reserved block 0 = 33 blocks -> 3 physical pages
+    assert after_extend.in_use == 3
+    assert after_extend.mapped == 3
+    rows = torch.tensor([int(out[299]), int(out[-1])])
+    seq = torch.tensor([301, 201])
+    dec = a.alloc_decode(seq, seq, rows)
+    assert dec.numel() == 2
+    assert e.pages().in_use == 3  # decode filled partly used pages, no new mapping
+
+
+def test_free_unmaps_empty_pages(make: Any) -> None:
+    e = make("on", size=2048, page_size=16)
+    a = e.allocator
+    idx = a.alloc(4 * TOKENS_PER_PAGE)
+    assert e.pages().in_use == 5
+    a.free(idx)
+    s = e.pages()
+    assert s.in_use == 1 and s.mapped == 1  # only block 0's page stays
+    assert a.available_size() == 2048
+
+
+def test_radix_eviction_unmaps_pages(make: Any) -> None:
+    e = make("on", size=2048, page_size=16)
+    a = e.allocator
+    tree = radix(a, 16)
+    kv = a.alloc(2 * TOKENS_PER_PAGE)
+    tree.insert(InsertParams(key=RadixKey(token_ids=array("q", range(kv.numel()))), value=kv))
+    assert e.pages().in_use == 3  # cached prefixes keep their pages (invariant 1)
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    assert tree.evict(EvictParams(num_tokens=kv.numel())).num_tokens_evicted == kv.numel()
+    assert e.pages().in_use == 1
+
+
+def test_cached_token_bound_holds_at_every_allocation(make: Any) -> None:
+    from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+    bound = 128
+    e = make("on", size=2048, page_size=16, max_cached_tokens=bound)
+    a = e.allocator
+    tree = radix(a, 16)
+    for i in range(6):
+        kv = a.alloc(64)
+        key = RadixKey(token_ids=array("q", range(i * 1000, i * 1000 + 64)))
+        tree.insert(InsertParams(key=key, value=kv))
+        evict_from_tree_cache(tree, 16)  # what SGLang runs before every allocation
+        assert tree.evictable_size() <= bound
+    assert a.conservation_available_size() + tree.evictable_size() == 2048 + 16 - 16
+
+
+def test_tight_budget_is_an_allocation_miss(make: Any) -> None:
+    # budget: 2 physical pages of 4 x 64 KiB (2 layers x K/V) -> block 0's page + one more
+    e = make("on", size=2048, page_size=16, limit_bytes=2 * 4 * (1 << 16))
+    a = e.allocator
+    # the rest of block 0's page (15 SGLang pages) and one more page (16), not 2048 tokens
+    assert a.available_size() == (15 + 16) * 16
+    used_before = e.manager.ledger.used()
+    assert extend(a, [0], [600], [-1]) is None  # the allocator's normal failure
+    assert e.manager.ledger.used() == used_before  # nothing half-allocated
+    # what the scheduler asks before a decode step: not enough, so it retracts
+    assert a.check_decode_capacity(num_tokens=600, tree_cache=None) is False
+    ok = extend(a, [0], [200], [-1])
+    assert ok is not None and ok.numel() == 200
+    # the leak check's conservation term stays logical: everything is accounted for
+    assert a.conservation_available_size() + 13 * 16 == 2048 + 16 - 16
+
+
+def test_buffer_pointers_never_move(make: Any) -> None:
+    e = make("on", size=2048, page_size=16)
+    ptrs = [b.data_ptr() for b in (*e.pool.k_buffer, *e.pool.v_buffer)]
+    x = e.allocator.alloc(1024)
+    e.allocator.free(x)
+    e.allocator.alloc(512)
+    assert ptrs == [b.data_ptr() for b in (*e.pool.k_buffer, *e.pool.v_buffer)]
+
+
+def test_mla_pool_is_elastic(make: Any) -> None:
+    # an MLA token row is 80 bf16 values: a 64 KiB-aligned page holds 4096 tokens
+    e = make("on", size=16384, page_size=16, mla=True)
+    before = e.pages().in_use
+    idx = e.allocator.alloc(8192)
+    assert e.pages().in_use > before
+    e.allocator.free(idx)
+    assert e.pages().in_use == before
+
+
+def test_scope_restores_upstream_buffers() -> None:
+    e = build("on", size=256, page_size=16)
+    try:
+        assert memory_pool.KV_BUFFER_HOOK is None  # closed after the pools were built
+        off = build("off", size=256, page_size=16)
+        assert not hasattr(off.pool, "kvcore_manager")
+        assert off.pool.k_buffer[0].shape == e.pool.k_buffer[0].shape
+        assert off.pool.k_buffer[0].dtype == e.pool.k_buffer[0].dtype
+    finally:
+        e.scope.close()
+
+
+def test_shutdown_releases_everything(make: Any) -> None:
+    e = build("on", size=2048, page_size=16)
+    e.allocator.alloc(1024)
+    backend = e.manager.backend
+    e.scope.close()
+    assert e.manager.pages.stats().mapped == 0
+    e.scope.close()  # idempotent
+    assert backend is not None
+
+
+def test_unsupported_allocator_is_named_at_startup(make: Any) -> None:
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+
+    from kvcore.adapters.sglang import elastic_allocator
+
+    class Fake(SWATokenToKVPoolAllocator):  # only the class matters: never constructed
+        def __init__(self) -> None:
+            pass
+
+    with pytest.raises(UnsupportedConfiguration, match=r"SWATokenToKVPoolAllocator|Fake"):
+        elastic_allocator(Fake())
+    e = make("on", size=256, page_size=16)
+    with pytest.raises(UnsupportedConfiguration, match="speculative decoding"):
+        elastic_allocator(e.allocator)
+
+
+def test_unsupported_pool_is_named_at_startup() -> None:
+    from kvcore.adapters.sglang import ElasticScope
+
+    scope = ElasticScope({"backend": "host"})
+    with scope, pytest.raises(UnsupportedConfiguration, match="whole number of pages"):
+        memory_pool.MHATokenToKVPool(
+            size=250,
+            page_size=16,
+            dtype=torch.bfloat16,
+            head_num=2,
+            head_dim=64,
+            layer_num=1,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+    assert memory_pool.KV_BUFFER_HOOK is None
+    scope.close()
+
+
+def test_bad_config_is_named() -> None:
+    from kvcore.adapters.sglang import ElasticConfig
+
+    with pytest.raises(UnsupportedConfiguration, match="unknown key"):
+        ElasticConfig.parse({"limit": 5})
+    with pytest.raises(UnsupportedConfiguration, match="limit_bytes"):
+        ElasticConfig.parse('{"limit_bytes": -1}')
+    assert ElasticConfig.parse(None).backend == "cuda"
+
+
+@pytest.mark.skipif(not PATCHED, reason="fork only")
+def test_server_args_flag_in_help() -> None:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert "--kvcore-elastic" in parser.format_help()
+    args = parser.parse_args(
+        ["--model-path", "m", "--kvcore-elastic", "--kvcore-config", '{"limit_bytes": 1}']
+    )
+    assert args.kvcore_elastic is True and args.kvcore_config == {"limit_bytes": 1}
+    assert parser.parse_args(["--model-path", "m"]).kvcore_elastic is False
