@@ -69,6 +69,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 STEPS = ("pytest", "vmm", "mapper", "bandwidth", "handoff", "decode", "channel")
 VMM_OPS = ("create", "map", "set_access", "unmap", "release")
+BW_SPLITS = 4  # programs per (sequence, KV head) in the read kernel, as in split-KV decode
 DRY_GRANULARITY = 64 * KiB  # the host backend's granularity in --dry-run: more, smaller pages
 
 
@@ -482,6 +483,56 @@ class RawCuda:
             self.drv.cuDevicePrimaryCtxRelease(self._dev)
 
 
+class HostRaw:
+    """``--dry-run``'s stand-in for ``RawCuda``: the host backend's primitives under
+    ``RawCuda``'s names, so the raw-baseline code paths run on CPU too (their numbers there
+    only say that the code works)."""
+
+    def __init__(self, backend: Any, *, owns: bool = True) -> None:
+        self.backend = backend
+        self.owns = owns
+        self.granularity = backend.granularity()
+
+    def reserve(self, size: int) -> int:
+        return int(self.backend.reserve(size))
+
+    def free_reservation(self, va: int, size: int) -> None:
+        self.backend.free_reservation(va, size)
+
+    def create(self, size: int) -> Any:
+        return self.backend.create(size)
+
+    def map(self, va: int, size: int, handle: Any) -> None:
+        self.backend.map(va, size, handle)
+
+    def set_access(self, va: int, size: int, *, read_only: bool = False) -> None:
+        self.backend.set_access(va, size, writable=not read_only)
+
+    def synchronize(self) -> None:
+        self.backend.synchronize()
+
+    def unmap(self, va: int, size: int) -> None:
+        self.backend.unmap(va, size)
+
+    def release(self, handle: Any) -> None:
+        self.backend.release(handle)
+
+    def close(self) -> None:
+        if self.owns:
+            self.backend.close()
+
+
+def raw_label(suite: Suite) -> str:
+    return "raw cuda.bindings" if suite.backend_name == "cuda" else "bare host backend"
+
+
+def raw_api(suite: Suite) -> RawCuda | HostRaw:
+    """The raw baseline: ``cuda.bindings`` on a GPU, the bare host backend in a dry run."""
+    if suite.backend_name == "cuda":
+        return RawCuda(0)
+    return HostRaw(open_kv_backend(suite))
+
+
 def _vmm_cycle(api: Any, va: int, size: int, kvcore: bool) -> dict[str, int]:
     """One create -> map -> set-access -> unmap -> release at ``va``; ns per operation."""
     clock = time.perf_counter_ns
@@ -697,8 +748,8 @@ def step_pytest(suite: Suite) -> dict[str, Any]:
 
 def step_vmm(suite: Suite) -> dict[str, Any]:
     backend = open_kv_backend(suite)
-    raw = None if suite.args.dry_run else RawCuda(0)
-    details: dict[str, Any] = {"backend": backend.name, "raw": raw is not None, "sizes": {}}
+    raw = raw_api(suite)
+    details: dict[str, Any] = {"backend": backend.name, "raw": type(raw).__name__, "sizes": {}}
     try:
         for size in suite.sizes.vmm_sizes:
             if suite.expired(20):
@@ -707,14 +758,12 @@ def step_vmm(suite: Suite) -> dict[str, Any]:
             reps = suite.sizes.vmm_reps(size)
             warm = max(3, reps // 10)
             va_k = backend.reserve(size)
-            va_r = raw.reserve(size) if raw is not None else 0
+            va_r = raw.reserve(size)
             samples: dict[str, dict[str, list[int]]] = {"kvcore": {}, "raw": {}}
             try:
                 for i in range(warm + reps):
                     order = ("kvcore", "raw") if i % 2 == 0 else ("raw", "kvcore")
                     for impl in order:
-                        if impl == "raw" and raw is None:
-                            continue
                         if impl == "kvcore":
                             ns = _vmm_cycle(backend, va_k, size, kvcore=True)
                         else:
@@ -726,8 +775,7 @@ def step_vmm(suite: Suite) -> dict[str, Any]:
                         break
             finally:
                 backend.free_reservation(va_k, size)
-                if raw is not None:
-                    raw.free_reservation(va_r, size)
+                raw.free_reservation(va_r, size)
             per = {}
             label = size_text(size)
             for op in (*VMM_OPS, "cycle"):
@@ -750,7 +798,7 @@ def step_vmm(suite: Suite) -> dict[str, Any]:
                     base,
                     "us",
                     ours_label=f"kvcore {backend.name} backend",
-                    baseline_label="raw cuda.bindings",
+                    baseline_label=raw_label(suite),
                     goal="<= 1.1x raw",
                     limit=1.1,
                     note=(
@@ -846,7 +894,7 @@ class _RawPageMirror:
 def step_mapper(suite: Suite) -> dict[str, Any]:
     shape = suite.sizes.shape
     details: dict[str, Any] = {}
-    raw = None if suite.args.dry_run else RawCuda(0)
+    raw = raw_api(suite)
     try:
         for layout in ("compound", "per-layer"):
             if suite.expired(20):
@@ -862,7 +910,7 @@ def step_mapper(suite: Suite) -> dict[str, Any]:
                 counts = _count_mapper_calls(suite, layout, page_bytes, num_blocks)
                 cache = kv_cache(backend, geo)
                 mapper = kv_mapper(cache)
-                mirror = _RawPageMirror(raw, hpp, page_bytes) if raw is not None else None
+                mirror = _RawPageMirror(raw, hpp, page_bytes)
                 t_map: list[int] = []
                 t_unmap: list[int] = []
                 r_map: list[int] = []
@@ -870,23 +918,21 @@ def step_mapper(suite: Suite) -> dict[str, Any]:
                 clock = time.perf_counter_ns
                 for i in range(3 + suite.sizes.mapper_reps):
                     p = i % geo.num_pages
-                    t0 = clock()
-                    mapper.map([p])
-                    t1 = clock()
-                    mapper.prepare_unmap([p])
-                    mapper.commit_unmap([p])
-                    t2 = clock()
-                    if mirror is not None:
-                        mirror.map_page()
-                        t3 = clock()
-                        mirror.unmap_page()
-                        t4 = clock()
-                    if i >= 3:
-                        t_map.append(t1 - t0)
-                        t_unmap.append(t2 - t1)
-                        if mirror is not None:
-                            r_map.append(t3 - t2)
-                            r_unmap.append(t4 - t3)
+                    for impl in ("kvcore", "raw") if i % 2 == 0 else ("raw", "kvcore"):
+                        t0 = clock()
+                        if impl == "kvcore":
+                            mapper.map([p])
+                            t1 = clock()
+                            mapper.prepare_unmap([p])
+                            mapper.commit_unmap([p])
+                        else:
+                            mirror.map_page()
+                            t1 = clock()
+                            mirror.unmap_page()
+                        t2 = clock()
+                        if i >= 3:
+                            (t_map if impl == "kvcore" else r_map).append(t1 - t0)
+                            (t_unmap if impl == "kvcore" else r_unmap).append(t2 - t1)
                     if suite.expired(10):
                         break
                 what = f"{layout}, {size_text(page_bytes)} pages, {hpp} handle(s) per page id"
@@ -987,8 +1033,9 @@ def step_bandwidth(suite: Suite) -> dict[str, Any]:
             log(f"   !! {label}: {exc}")
     _sync(suite)
 
+    splits = BW_SPLITS
     outs = {
-        name: torch.empty((L, seqs, shape.num_kv_heads), dtype=torch.float32, device=device)
+        name: torch.empty((L, seqs, shape.num_kv_heads, splits), dtype=torch.float32, device=device)
         for name in sources
     }
 
@@ -996,8 +1043,9 @@ def step_bandwidth(suite: Suite) -> dict[str, Any]:
         for layer, (k, v) in enumerate(sources[name]):
             if use_triton:
                 paged_kv_read(k, v, table, outs[name][layer])
-            else:
-                outs[name][layer].copy_(reference_read(k, v, table))
+            else:  # the host has no Triton: the reference reads the same blocks
+                outs[name][layer].zero_()
+                outs[name][layer][..., 0].copy_(reference_read(k, v, table))
 
     # correctness: every source holds the same values, so the same kernel gives the same sums
     ref = torch.stack(
@@ -1008,7 +1056,7 @@ def step_bandwidth(suite: Suite) -> dict[str, Any]:
         outs[name].fill_(float("nan"))
         read_all(name)
         _sync(suite)
-        err = ((outs[name] - ref).norm() / ref.norm()).item()
+        err = ((outs[name].sum(-1) - ref).norm() / ref.norm()).item()
         check[name] = err
         if not err < 1e-3:
             raise AssertionError(f"{name}: kernel sums differ from the reference (rel {err})")
@@ -1072,6 +1120,7 @@ def step_bandwidth(suite: Suite) -> dict[str, Any]:
         "num_blocks": nb,
         "seqs": seqs,
         "blocks_per_seq": bps,
+        "programs_per_layer": seqs * shape.num_kv_heads * splits,
         "bytes_per_step": bytes_per_step,
         "timing": graph_mode,
         "reader": "triton" if use_triton else "torch reference",
@@ -1259,7 +1308,7 @@ def _handoff_worker(conn: Any, spec: dict[str, Any]) -> None:
     raw: dict[str, Any] = {}
 
     def raw_setup(page_bytes: int) -> dict[str, Any]:
-        api = RawCuda(0) if spec["backend"] == "cuda" else backend
+        api = RawCuda(0) if spec["backend"] == "cuda" else HostRaw(backend, owns=False)
         total = spec["total_bytes"]
         raw.update(api=api, pb=page_bytes, total=total, va=api.reserve(total), handles=[])
         return {}
@@ -1297,8 +1346,7 @@ def _handoff_worker(conn: Any, spec: dict[str, Any]) -> None:
                     raw_free(None)
             with contextlib.suppress(Exception):
                 raw["api"].free_reservation(raw["va"], raw["total"])
-            if raw["api"] is not backend:
-                close_all(raw["api"])
+            close_all(raw["api"])
             raw.clear()
         return {}
 
