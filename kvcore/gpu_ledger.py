@@ -63,7 +63,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvcore.errors import LedgerError, LedgerNotFound, RevisionConflict, UnknownInstance
 
@@ -701,6 +701,28 @@ def _read_record(buf: mmap.mmap, slot: int) -> InstanceRecord:
     )
 
 
+class _Usage(NamedTuple):
+    mapped: int
+    reserve: int
+    limit: int
+    total: int
+    """Bytes mapped by every instance on the GPU."""
+    budget: int
+    """The effective GPU-wide budget."""
+
+
+def _usage(buf: mmap.mmap, slot: int) -> _Usage:
+    """One instance's figures and the GPU's, read under the caller's lock."""
+    base = _base(slot)
+    return _Usage(
+        mapped=_int(_RECORD.get(buf, base, "mapped")),
+        reserve=_int(_RECORD.get(buf, base, "reserve")),
+        limit=_int(_RECORD.get(buf, base, "limit")),
+        total=_int(_HEADER.get(buf, 0, "total_mapped")),
+        budget=_int(_HEADER.get(buf, 0, "budget")) or _int(_HEADER.get(buf, 0, "device_total")),
+    )
+
+
 def _fmt_limit(limit: int) -> str:
     return f"{limit} bytes" if limit else "no limit"
 
@@ -908,12 +930,7 @@ class LedgerGate:
         """(admitted, refused by the budget rather than the limit)."""
         with self.ledger._own(self._slot, self._token) as buf:
             base = _base(self._slot)
-            mapped = _int(_RECORD.get(buf, base, "mapped"))
-            limit = _int(_RECORD.get(buf, base, "limit"))
-            total = _int(_HEADER.get(buf, 0, "total_mapped"))
-            budget = _int(_HEADER.get(buf, 0, "budget")) or _int(
-                _HEADER.get(buf, 0, "device_total")
-            )
+            mapped, _, limit, total, budget = _usage(buf, self._slot)
             if limit and mapped + nbytes > limit:
                 _RECORD.put(buf, base, "denied", _int(_RECORD.get(buf, base, "denied")) + 1)
                 if mapped > limit:
@@ -973,18 +990,23 @@ class LedgerGate:
             base = _base(self._slot)
             if _float(_RECORD.get(buf, base, "trim_until")) > time.time():
                 return 0
-            mapped = _int(_RECORD.get(buf, base, "mapped"))
-            reserve = _int(_RECORD.get(buf, base, "reserve"))
-            limit = _int(_RECORD.get(buf, base, "limit"))
-            total = _int(_HEADER.get(buf, 0, "total_mapped"))
-            budget = _int(_HEADER.get(buf, 0, "budget")) or _int(
-                _HEADER.get(buf, 0, "device_total")
-            )
+            mapped, reserve, limit, total, budget = _usage(buf, self._slot)
         in_use = max(0, mapped - reserve)
         room = budget - (total - mapped) - in_use
         if limit:
             room = min(room, limit - in_use)
         return max(0, min(wanted, room))
+
+    def headroom(self) -> int:
+        """Bytes ``try_acquire`` would admit now (the instance limit and the GPU budget
+        minus what every instance holds); 0 while over either. Beyond the ``MemoryGate``
+        protocol: ``PageAllocator.available()`` uses it."""
+        with self.ledger._own(self._slot, self._token, exclusive=False) as buf:
+            mapped, _, limit, total, budget = _usage(buf, self._slot)
+        room = budget - total
+        if limit:
+            room = min(room, limit - mapped)
+        return max(0, room)
 
     # -- the rest ------------------------------------------------------------------------
 

@@ -184,6 +184,37 @@ def honour_trim(name: str, device_bytes: int, reserve: int) -> None:
         time.sleep(0.01)
 
 
+def allocator_instance(name: str, budget_uuid: str, steps: Any, results: Any) -> None:
+    """A real page allocator (``tests/memstack.py``: host backend -> virtual KV cache ->
+    mapper -> ``PageAllocator``) whose gate is a ``LedgerGate``. Obeys ``steps`` (a queue):
+    ``"fill"`` acquires single pages until a miss, ``"drop"`` releases every page (no
+    reserve: they are unmapped), ``"stop"`` closes; reports after each step."""
+    from tests.memstack import build_stack
+
+    gate = LedgerGate(GpuLedger.open(budget_uuid), name=name, engine="test")
+    stack = build_stack("host", num_blocks=64, blocks_per_page=4, gate=gate)
+    held: list[int] = []
+    while (step := steps.get(timeout=60)) != "stop":
+        if step == "fill":
+            while (ids := stack.pages.acquire(1)) is not None:
+                held += ids
+        elif step == "drop":
+            stack.pages.release(held)
+            held.clear()
+            assert stack.pages.flush()
+        results.put(
+            {
+                "name": name,
+                "held_pages": len(held),
+                "mapped_pages": len(stack.mapped_pages()),
+                "ledger_mapped": gate.record().mapped,
+                "page_bytes": stack.pages.page_bytes,
+            }
+        )
+    stack.close()
+    gate.close()
+
+
 if __name__ == "__main__":
     role, *rest = sys.argv[1:]
     if role == "hold":

@@ -559,3 +559,85 @@ def test_kvctl_limit_races_allocation() -> None:
     assert led.snapshot().total_mapped == 0
     led.close()
     backend.close()
+
+
+# -- with the real page allocator ---------------------------------------------------------
+
+
+def test_two_page_allocators_in_two_processes_share_a_budget() -> None:
+    page = 64 << 10  # tests/memstack.py: one 64 KiB granule per page id
+    led = GpuLedger.open(UUID, device_total=1024 * MiB)
+    led.set_budget(6 * page)
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    steps = {n: ctx.Queue() for n in ("a", "b")}
+    procs = {
+        n: ctx.Process(target=ledger_procs.allocator_instance, args=(n, UUID, q, results))
+        for n, q in steps.items()
+    }
+    for p in procs.values():
+        p.start()
+
+    def step(name: str, what: str) -> dict[str, int]:
+        steps[name].put(what)
+        out: dict[str, int] = results.get(timeout=120)
+        assert out["name"] == name
+        assert out["held_pages"] == out["mapped_pages"], "the ledger agrees with the mapper"
+        assert out["ledger_mapped"] == out["mapped_pages"] * page
+        return out
+
+    try:
+        steps["a"].put("fill")  # both fill at once
+        steps["b"].put("fill")
+        first = {o["name"]: o for o in (results.get(timeout=120) for _ in range(2))}
+        assert first["a"]["held_pages"] + first["b"]["held_pages"] == 6
+        assert led.snapshot().total_mapped == 6 * page
+        assert step("a", "drop")["mapped_pages"] == 0, "pages went back to the driver"
+        assert step("b", "fill")["held_pages"] == 6, "b took what a gave back"
+        assert step("a", "fill")["held_pages"] == 0, "a now misses: the budget is b's"
+        snap = led.snapshot()
+        assert snap.total_mapped == 6 * page == sum(r.mapped for r in snap.records)
+    finally:
+        for q in steps.values():
+            q.put("stop")
+        for p in procs.values():
+            p.join(60)
+    assert [p.exitcode for p in procs.values()] == [0, 0]
+    assert led.snapshot().records == ()
+
+
+def test_page_allocator_honours_trim_and_a_lowered_limit(ledger: GpuLedger) -> None:
+    from tests.memstack import build_stack
+
+    g = gate(ledger, "a")
+    stack = build_stack("host", num_blocks=64, blocks_per_page=4, gate=g, reserve_min=2,
+                        reserve_max=2)  # fmt: skip
+    page = stack.pages.page_bytes
+    try:
+        assert stack.pages.flush()
+        assert (g.record().mapped, g.record().reserve) == (2 * page, 2 * page)
+        ledger.request_trim("a", hold_s=60)
+        deadline = time.monotonic() + 10
+        while g.record().mapped and time.monotonic() < deadline:
+            time.sleep(0.02)  # the refill thread polls reserve_target
+        assert (g.record().mapped, g.record().reserve) == (0, 0), "reserve unmapped"
+        ledger.request_trim("a", hold_s=0)
+        assert stack.pages.flush()
+        assert g.record().reserve == 2 * page, "refilled once the trim ended"
+        ids = stack.pages.acquire(4)
+        assert ids is not None and stack.pages.flush()
+        assert (g.record().mapped, g.record().reserve) == (6 * page, 2 * page)
+        ledger.set_limit("a", 2 * page)  # below the 4 pages in use
+        assert stack.pages.flush()
+        assert (g.record().mapped, g.record().reserve) == (4 * page, 0), "reserve went first"
+        assert g.record().over_limit
+        assert stack.pages.acquire(1) is None, "a miss, not an error"
+        stack.pages.release(ids[:3])
+        assert stack.pages.flush()
+        rec = g.record()  # one page in use; at most one more (reserve) fits the limit
+        assert rec.in_use == page and rec.mapped <= 2 * page and not rec.over_limit
+        assert stack.pages.acquire(1) is not None
+        assert stack.pages.acquire(1) is None
+    finally:
+        stack.close()
+    assert g.record().mapped == 0
