@@ -30,7 +30,7 @@ from compat import matrix as compat_matrix
 from compat.matrix import Artifact, BackendStatus, EngineRelease
 from patchq import gitcmd
 from patchq.artifacts import RemoteFile
-from patchq.console import console, info, step
+from patchq.console import info, step
 from patchq.errors import ApplyError, ArtifactError, ForkError, RebaseConflict, SeriesError
 from patchq.export import export
 from patchq.fork import (
@@ -351,7 +351,7 @@ def _finish(ws: Workspace, fork: Path, state: dict[str, str], tgt: EngineRelease
         f"{base_ref(src)}..{BRANCH}-{src}",
         f"{UPSTREAM_REF}..{BRANCH}",
     )
-    console.print(f"range-diff {tgt.name} {src} -> {tgt.version}:", markup=False)
-    console.print(diff or "(empty series)", markup=False, highlight=False)
+    # The review artifact goes to stdout unwrapped, so it can be redirected to a file.
+    print(f"range-diff {tgt.name} {src} -> {tgt.version}:\n{diff or '(empty series)'}", flush=True)
     info(f"rebased series written to {_shown(ws, directory)}; fork at {_shown(ws, fork)}")
     return Rebased(directory, fork, diff, bool(state["matrix_block"]))
