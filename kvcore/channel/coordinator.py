@@ -95,6 +95,8 @@ DEFAULT_TIMEOUT = 30.0
 DEFAULT_CONNECT_TIMEOUT = 120.0
 """Seconds to wait for every worker's socket to appear and answer the handshake."""
 
+_SMALL_FRAME = 32 << 10
+"""Frames up to this size always fit an idle Unix socket's send buffer."""
 _VMM_ERRORS: dict[str, type[VmmError]] = {
     "VmmError": VmmError,
     "OutOfDeviceMemory": OutOfDeviceMemory,
@@ -209,7 +211,7 @@ class ChannelCoordinator:
         self._state = [PageState.UNMAPPED] * self._num_pages
         self._prepared_txn: dict[int, int] = {}
         for worker in self._workers:
-            worker.sock.settimeout(timeout)
+            worker.sock.setblocking(True)
             self._selector.register(worker.sock, selectors.EVENT_READ, worker)
 
     # ------------------------------------------------------------------ PageMapper
@@ -384,7 +386,7 @@ class ChannelCoordinator:
                     hint="pass fewer pages per call",
                 )
             try:
-                self._workers[rank].sock.sendall(frame)
+                self._send(self._workers[rank].sock, frame)
             except OSError as exc:
                 result.lost[rank] = self._lost(rank, f"send failed: {exc}")
                 continue
@@ -402,6 +404,19 @@ class ChannelCoordinator:
                 worker: _Worker = key.data
                 self._drain(worker, pending, result)
         return result
+
+    def _send(self, sock: socket.socket, frame: bytes) -> None:
+        """Sockets stay in blocking mode (no poll per call on the hot path); a frame that
+        may not fit the socket buffer is sent under the timeout, so a stuck worker cannot
+        block the coordinator."""
+        if len(frame) <= _SMALL_FRAME:
+            sock.sendall(frame)
+            return
+        sock.settimeout(self.timeout)
+        try:
+            sock.sendall(frame)
+        finally:
+            sock.setblocking(True)
 
     def _drain(
         self, worker: _Worker, pending: dict[int, list[tuple[Op, int]]], result: _Round
