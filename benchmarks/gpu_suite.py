@@ -236,6 +236,28 @@ class Suite:
         }
         self.write()
 
+        self.current: str | None = None
+
+    def start_watchdog(self, grace_s: float) -> None:
+        """Past the budget plus ``grace_s``, record the step that overran, write the
+        results and exit (status 3), so a hung step still leaves its numbers behind."""
+        import threading
+
+        def fire() -> None:
+            name = self.current or "suite"
+            self.results["steps"][name] = {
+                "status": "error",
+                "error": f"watchdog: still running {grace_s:.0f} s past the budget; exited",
+            }
+            log(f"!! watchdog: {name} overran the budget; writing results and exiting")
+            with contextlib.suppress(Exception):
+                self.write()
+            os._exit(3)
+
+        timer = threading.Timer(max(1.0, self.remaining() + grace_s), fire)
+        timer.daemon = True
+        timer.start()
+
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
@@ -251,6 +273,7 @@ class Suite:
             log(f"-- {name}: skipped ({rec['reason']})")
         else:
             log(f"== {name} ({self.remaining():.0f} s of budget left)")
+            self.current = name
             t0 = time.monotonic()
             try:
                 details = fn(self) or {}
@@ -263,6 +286,7 @@ class Suite:
                 }
                 log(f"!! {name} failed: {rec['error']}")
             rec["seconds"] = round(time.monotonic() - t0, 2)
+        self.current = None
         self.results["steps"][name] = rec
         self.write()
 
@@ -1333,8 +1357,9 @@ def _handoff_worker(conn: Any, spec: dict[str, Any]) -> None:
         t_free = time.monotonic_ns()
         if spec["backend"] == "cuda":
             torch.cuda.synchronize()
-        api.unmap(va, raw["total"])  # one call over the whole range
-        for h in raw["handles"]:
+        pb = raw["pb"]
+        for i, h in enumerate(raw["handles"]):
+            api.unmap(va + i * pb, pb)
             api.release(h)
         raw["handles"] = []
         return {"t_free": t_free, "t_unmapped": time.monotonic_ns()}
@@ -1915,6 +1940,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=480.0,
         help="global time budget; steps that would not fit are skipped",
     )
+    ap.add_argument(
+        "--grace-s",
+        type=float,
+        default=45.0,
+        help="a watchdog exits this long after the budget, results written (default 45)",
+    )
     ap.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
     ap.add_argument(
         "--dry-run",
@@ -1960,6 +1991,7 @@ def selected_steps(args: argparse.Namespace) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     suite = Suite(args)
+    suite.start_watchdog(args.grace_s)
     meta = suite.results["meta"]
     log(f"kvcore gpu suite: mode {suite.mode}, budget {args.budget_s:.0f} s, out {suite.out}")
     log(
@@ -1980,7 +2012,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fn, min_s = STEP_FUNCS[name]
         suite.run(name, fn, min_s)
     suite.write()
-    print(render_markdown(suite.results), flush=True)
+    print(render_markdown(suite.results, notes=False), flush=True)
     statuses = [s["status"] for s in suite.results["steps"].values()]
     log(
         f"done in {time.monotonic() - suite.start:.0f} s: "

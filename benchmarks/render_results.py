@@ -56,8 +56,9 @@ def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def render_markdown(results: dict[str, Any], level: int = 2) -> str:
-    """The whole report as Markdown, its headings at ``level`` (2: ``##``)."""
+def render_markdown(results: dict[str, Any], level: int = 2, *, notes: bool = True) -> str:
+    """The whole report as Markdown, its headings at ``level`` (2: ``##``); without
+    ``notes`` the figure tables leave their notes column out (a compact console summary)."""
     h = "#" * level
     meta = results.get("meta", {})
     lines = [f"{h} Environment", "", "| | |", "|---|---|"]
@@ -82,10 +83,10 @@ def render_markdown(results: dict[str, Any], level: int = 2) -> str:
         if not rows:
             lines += ["not yet run", ""]
             continue
-        lines += [
-            "| figure | ours | baseline | ratio | units | goal | met | notes |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
+        cols = ["figure", "ours", "baseline", "ratio", "units", "goal", "met"]
+        if notes:
+            cols.append("notes")
+        lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for r in rows:
             base = _num(r.get("baseline"))
             if r.get("baseline_label") and r.get("baseline") is not None:
@@ -102,7 +103,7 @@ def render_markdown(results: dict[str, Any], level: int = 2) -> str:
                         r.get("units", ""),
                         r.get("goal", ""),
                         _met(r.get("met")),
-                        r.get("note", ""),
+                        *([r.get("note", "")] if notes else []),
                     )
                 )
                 + " |"
