@@ -63,7 +63,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from kvcore.errors import LedgerError, LedgerNotFound, RevisionConflict, UnknownInstance
 
@@ -119,6 +119,13 @@ class _Layout:
         offset, one = self.field[name]
         one.pack_into(buf, base + offset, value)
 
+    def span(self, first: str, last: str) -> tuple[int, struct.Struct]:
+        """Offset and struct of the consecutive fields ``first`` .. ``last`` (one
+        ``unpack_from`` instead of one per field, for the gate's hot path)."""
+        i, j = self.names.index(first), self.names.index(last)
+        codes = "".join(self.field[n][1].format[1:] for n in self.names[i : j + 1])
+        return self.field[first][0], struct.Struct("<" + codes)
+
 
 _HEADER = _Layout(
     [
@@ -166,6 +173,10 @@ _RECORD = _Layout(
 )
 
 _FILE_SIZE = _HEADER_SIZE + CAPACITY * _RECORD_SIZE
+_ID_OFF, _ID = _RECORD.span("state", "token")  # state, pid, start time, pidns, token
+_REC_HOT_OFF, _REC_HOT = _RECORD.span("limit", "denied")
+_HDR_HOT_OFF, _HDR_HOT = _HEADER.span("device_total", "total_mapped")
+_HDR_TOTAL_OFF, _HDR_TOTAL = _HEADER.span("total_mapped", "generation")
 
 
 class State(enum.IntEnum):
@@ -701,28 +712,6 @@ def _read_record(buf: mmap.mmap, slot: int) -> InstanceRecord:
     )
 
 
-class _Usage(NamedTuple):
-    mapped: int
-    reserve: int
-    limit: int
-    total: int
-    """Bytes mapped by every instance on the GPU."""
-    budget: int
-    """The effective GPU-wide budget."""
-
-
-def _usage(buf: mmap.mmap, slot: int) -> _Usage:
-    """One instance's figures and the GPU's, read under the caller's lock."""
-    base = _base(slot)
-    return _Usage(
-        mapped=_int(_RECORD.get(buf, base, "mapped")),
-        reserve=_int(_RECORD.get(buf, base, "reserve")),
-        limit=_int(_RECORD.get(buf, base, "limit")),
-        total=_int(_HEADER.get(buf, 0, "total_mapped")),
-        budget=_int(_HEADER.get(buf, 0, "budget")) or _int(_HEADER.get(buf, 0, "device_total")),
-    )
-
-
 def _fmt_limit(limit: int) -> str:
     return f"{limit} bytes" if limit else "no limit"
 
@@ -872,6 +861,7 @@ class LedgerGate:
             device=device,
             limit=limit,
         )
+        self._base = _base(self._slot)
         self._mem_info = mem_info
         self._on_change = on_change
         self._last_sweep = 0.0
@@ -928,31 +918,31 @@ class LedgerGate:
 
     def _try_acquire_once(self, nbytes: int) -> tuple[bool, bool]:
         """(admitted, refused by the budget rather than the limit)."""
-        with self.ledger._own(self._slot, self._token) as buf:
-            base = _base(self._slot)
-            mapped, _, limit, total, budget = _usage(buf, self._slot)
-            if limit and mapped + nbytes > limit:
-                _RECORD.put(buf, base, "denied", _int(_RECORD.get(buf, base, "denied")) + 1)
-                if mapped > limit:
+        base = self._base
+        buf = self._enter(exclusive=True)
+        try:
+            mapped, _, limit, total, budget, denied = self._figures(buf)
+            if (limit and mapped + nbytes > limit) or total + nbytes > budget:
+                _RECORD.put(buf, base, "denied", denied + 1)
+                if limit and mapped > limit:
                     _RECORD.put(buf, base, "flags", int(Flag.OVER_LIMIT))
-                return False, False
-            if total + nbytes > budget:
-                _RECORD.put(buf, base, "denied", _int(_RECORD.get(buf, base, "denied")) + 1)
-                return False, True
+                return False, not (limit and mapped + nbytes > limit)
             _RECORD.put(buf, base, "mapped", mapped + nbytes)
             _RECORD.put(buf, base, "updated", time.time())
             _RECORD.put(buf, base, "flags", 0)
-            _HEADER.put(buf, 0, "total_mapped", total + nbytes)
-            _bump(buf)
+            _HDR_TOTAL.pack_into(buf, _HDR_TOTAL_OFF, total + nbytes, self._generation(buf))
             rec = _read_record(buf, self._slot) if self._on_change else None
+        finally:
+            self._leave()
         if rec is not None and self._on_change is not None:
             self._on_change(rec)
         return True, False
 
     def release(self, nbytes: int) -> None:
-        with self.ledger._own(self._slot, self._token) as buf:
-            base = _base(self._slot)
-            mapped = _int(_RECORD.get(buf, base, "mapped"))
+        base = self._base
+        buf = self._enter(exclusive=True)
+        try:
+            mapped, reserve, limit, total, _, _ = self._figures(buf)
             if nbytes < 0 or nbytes > mapped:
                 raise LedgerError(
                     f"release({nbytes}) by {self.name!r}, which holds {mapped} bytes",
@@ -960,37 +950,41 @@ class LedgerGate:
                 )
             now_mapped = mapped - nbytes
             _RECORD.put(buf, base, "mapped", now_mapped)
-            reserve = _int(_RECORD.get(buf, base, "reserve"))
-            _RECORD.put(buf, base, "reserve", min(reserve, now_mapped))
+            if reserve > now_mapped:
+                _RECORD.put(buf, base, "reserve", now_mapped)
             _RECORD.put(buf, base, "updated", time.time())
-            limit = _int(_RECORD.get(buf, base, "limit"))
             if not limit or now_mapped <= limit:
                 _RECORD.put(buf, base, "flags", 0)
-            total = _int(_HEADER.get(buf, 0, "total_mapped"))
-            _HEADER.put(buf, 0, "total_mapped", max(0, total - nbytes))
-            _bump(buf)
+            _HDR_TOTAL.pack_into(buf, _HDR_TOTAL_OFF, max(0, total - nbytes), self._generation(buf))
             rec = _read_record(buf, self._slot) if self._on_change else None
+        finally:
+            self._leave()
         if rec is not None and self._on_change is not None:
             self._on_change(rec)
         self._maybe_note_free()
 
     def report_reserve(self, nbytes: int) -> None:
-        with self.ledger._own(self._slot, self._token) as buf:
-            base = _base(self._slot)
-            mapped = _int(_RECORD.get(buf, base, "mapped"))
+        base = self._base
+        buf = self._enter(exclusive=True)
+        try:
+            mapped, _, _, total, _, _ = self._figures(buf)
             _RECORD.put(buf, base, "reserve", max(0, min(nbytes, mapped)))
             _RECORD.put(buf, base, "updated", time.time())
-            _bump(buf)
+            _HDR_TOTAL.pack_into(buf, _HDR_TOTAL_OFF, total, self._generation(buf))
             rec = _read_record(buf, self._slot) if self._on_change else None
+        finally:
+            self._leave()
         if rec is not None and self._on_change is not None:
             self._on_change(rec)
 
     def reserve_target(self, wanted: int) -> int:
-        with self.ledger._own(self._slot, self._token, exclusive=False) as buf:
-            base = _base(self._slot)
-            if _float(_RECORD.get(buf, base, "trim_until")) > time.time():
+        buf = self._enter(exclusive=False)
+        try:
+            if _float(_RECORD.get(buf, self._base, "trim_until")) > time.time():
                 return 0
-            mapped, reserve, limit, total, budget = _usage(buf, self._slot)
+            mapped, reserve, limit, total, budget, _ = self._figures(buf)
+        finally:
+            self._leave()
         in_use = max(0, mapped - reserve)
         room = budget - (total - mapped) - in_use
         if limit:
@@ -1001,12 +995,54 @@ class LedgerGate:
         """Bytes ``try_acquire`` would admit now (the instance limit and the GPU budget
         minus what every instance holds); 0 while over either. Beyond the ``MemoryGate``
         protocol: ``PageAllocator.available()`` uses it."""
-        with self.ledger._own(self._slot, self._token, exclusive=False) as buf:
-            mapped, _, limit, total, budget = _usage(buf, self._slot)
+        buf = self._enter(exclusive=False)
+        try:
+            mapped, _, limit, total, budget, _ = self._figures(buf)
+        finally:
+            self._leave()
         room = budget - total
         if limit:
             room = min(room, limit - mapped)
         return max(0, room)
+
+    # -- the hot path: no context managers, one unpack for the record, one for the header --
+
+    def _enter(self, *, exclusive: bool) -> mmap.mmap:
+        """Take the thread lock and the file lock and check the record is still ours.
+        The caller must call ``_leave`` (in a ``finally``) once this returned."""
+        led = self.ledger
+        led._tlock.acquire()
+        try:
+            if led._fd < 0:
+                raise LedgerError(f"ledger {led.path} is closed", hint="open it again")
+            _lock_fd(led._fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, led.path)
+        except BaseException:
+            led._tlock.release()
+            raise
+        state, _, _, _, token = _ID.unpack_from(led._buf, self._base + _ID_OFF)
+        if state != State.ACTIVE or token != self._token:
+            self._leave()
+            raise LedgerError(
+                f"this instance's record (slot {self._slot}) in {led.path} was removed by "
+                "another process",
+                hint="the ledger thought this process dead (another pid namespace, or "
+                "the file was replaced); restart the instance",
+            )
+        return led._buf
+
+    def _leave(self) -> None:
+        fcntl.flock(self.ledger._fd, fcntl.LOCK_UN)
+        self.ledger._tlock.release()
+
+    def _figures(self, buf: mmap.mmap) -> tuple[int, int, int, int, int, int]:
+        """(mapped, reserve, limit, GPU total, effective budget, denied), under the lock."""
+        limit, _, mapped, reserve, denied = _REC_HOT.unpack_from(buf, self._base + _REC_HOT_OFF)
+        device_total, budget, _, total = _HDR_HOT.unpack_from(buf, _HDR_HOT_OFF)
+        return mapped, reserve, limit, total, budget or device_total, denied
+
+    @staticmethod
+    def _generation(buf: mmap.mmap) -> int:
+        return _int(_HEADER.get(buf, 0, "generation")) + 1
 
     # -- the rest ------------------------------------------------------------------------
 

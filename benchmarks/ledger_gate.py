@@ -1,0 +1,160 @@
+"""Cost of the per-GPU ledger gate (``LedgerGate``) per call, beside in-process gates.
+
+``try_acquire`` runs under an exclusive ``flock`` on the ledger file before every page map
+(on the reserve-refill thread, or the scheduler thread on a reserve miss), so its cost must
+stay small next to a map (on an H200 ~60 us per 2 MiB page: create + map + set-access).
+Side by side in one run:
+
+* ``UnlimitedGate`` / ``BudgetGate`` (a thread lock and an add): the floor;
+* ``LedgerGate`` alone in its ledger, and with 31 other instances registered (admission reads
+  only the header total and its own record, so it should not grow with instances);
+* ``LedgerGate`` while a second process hammers the same ledger (lock contention);
+* a refused ``try_acquire`` (over the limit), ``reserve_target`` / ``report_reserve``, and
+  the floor: one ``flock`` lock + unlock pair on the ledger file.
+
+    PYTHONPATH=. python benchmarks/ledger_gate.py [--repeats 15] [--iters 5000] [--json F]
+
+Each figure is the median over ``--repeats`` runs of ``--iters`` calls, after a warm-up run,
+in microseconds per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import multiprocessing
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvcore.accounting import BudgetGate, UnlimitedGate
+from kvcore.gpu_ledger import DIR_ENV, GpuLedger, LedgerGate
+
+UUID = "GPU-bench-ledger-gate"
+GiB = 1 << 30
+PAGE = 2 << 20
+
+
+def _median_us(fn: Callable[[int], None], iters: int, repeats: int) -> float:
+    fn(iters)  # warm-up
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        fn(iters)
+        runs.append((time.perf_counter_ns() - t0) / iters / 1000)
+    return statistics.median(runs)
+
+
+def _acquire_then_release(gate: Any, iters: int, repeats: int) -> tuple[float, float]:
+    """Median us per admitted ``try_acquire`` and per ``release``, each loop timed alone."""
+    acq, rel = [], []
+    for i in range(repeats + 1):  # the first round is the warm-up
+        t0 = time.perf_counter_ns()
+        for _ in range(iters):
+            gate.try_acquire(PAGE)
+        t1 = time.perf_counter_ns()
+        for _ in range(iters):
+            gate.release(PAGE)
+        t2 = time.perf_counter_ns()
+        if i:
+            acq.append((t1 - t0) / iters / 1000)
+            rel.append((t2 - t1) / iters / 1000)
+    return statistics.median(acq), statistics.median(rel)
+
+
+def _hammer(directory: str, stop: Any, ready: Any) -> None:
+    os.environ[DIR_ENV] = directory
+    gate = LedgerGate(GpuLedger.open(UUID), name="hammer", engine="bench")
+    ready.set()
+    while not stop.is_set():
+        for _ in range(1000):
+            if gate.try_acquire(PAGE):
+                gate.release(PAGE)
+    gate.close()
+
+
+def measure(iters: int, repeats: int) -> dict[str, float]:
+    """Per-call medians in microseconds."""
+    out: dict[str, float] = {}
+
+    def pair(label: str, gate: Any) -> None:
+        acq, rel = _acquire_then_release(gate, iters, repeats)
+        out[f"{label}: try_acquire"] = acq
+        out[f"{label}: release"] = rel
+
+    pair("UnlimitedGate", UnlimitedGate())
+    pair("BudgetGate", BudgetGate(1 << 62))
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ[DIR_ENV] = tmp
+        led = GpuLedger.open(UUID, device_total=1 << 50)
+        gate = LedgerGate(led, name="bench", engine="bench")
+        pair("LedgerGate, 1 instance", gate)
+        fd = os.open(led.path, os.O_RDWR)
+
+        def flock_pairs(n: int) -> None:
+            for _ in range(n):
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+
+        out["flock(LOCK_EX) + flock(LOCK_UN) (the syscall floor)"] = _median_us(
+            flock_pairs, iters, repeats
+        )
+        os.close(fd)
+        others = [LedgerGate(led, name=f"other{i}", engine="bench") for i in range(31)]
+        for o in others:
+            o.try_acquire(PAGE)
+        pair("LedgerGate, 32 instances", gate)
+        out["LedgerGate: reserve_target"] = _median_us(
+            lambda n: [gate.reserve_target(PAGE) for _ in range(n)], iters, repeats
+        )
+        out["LedgerGate: report_reserve"] = _median_us(
+            lambda n: [gate.report_reserve(0) for _ in range(n)], iters, repeats
+        )
+        full = LedgerGate(led, name="full", engine="bench", limit=PAGE)
+        full.try_acquire(PAGE)
+        out["LedgerGate: refused try_acquire (limit)"] = _median_us(
+            lambda n: [full.try_acquire(PAGE) for _ in range(n)], iters, repeats
+        )
+        ctx = multiprocessing.get_context("spawn")
+        stop, ready = ctx.Event(), ctx.Event()
+        proc = ctx.Process(target=_hammer, args=(tmp, stop, ready))
+        proc.start()
+        ready.wait(60)
+        pair("LedgerGate, 2nd process hammering", gate)
+        stop.set()
+        proc.join(60)
+        for o in [gate, full, *others]:
+            o.close()
+        led.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--iters", type=int, default=5000)
+    parser.add_argument("--json", type=Path, default=None, help="also write results here")
+    args = parser.parse_args()
+    results = measure(args.iters, args.repeats)
+    floor = results["BudgetGate: try_acquire"]
+    table = Table(title=f"gate cost per call (median of {args.repeats} x {args.iters})")
+    table.add_column("gate / call")
+    table.add_column("us per call", justify="right")
+    table.add_column("x BudgetGate.try_acquire", justify="right")
+    for name, us in results.items():
+        table.add_row(name, f"{us:.2f}", f"{us / floor:.1f}")
+    Console(width=120).print(table)
+    if args.json:
+        args.json.write_text(json.dumps({"us_per_call": results, **vars(args)}, default=str))
+
+
+if __name__ == "__main__":
+    main()
