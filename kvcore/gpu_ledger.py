@@ -359,6 +359,7 @@ class GpuLedger:
         self._fd = fd
         self._buf = buf
         self._tlock = threading.Lock()
+        self._pid = os.getpid()
         self._pidns = _pid_namespace()
         self.device_uuid = _decode(_HEADER.get(buf, 0, "device_uuid"))
 
@@ -434,13 +435,23 @@ class GpuLedger:
     @contextlib.contextmanager
     def _locked(self, exclusive: bool) -> Iterator[mmap.mmap]:
         with self._tlock:
-            if self._fd < 0:
-                raise LedgerError(f"ledger {self.path} is closed", hint="open it again")
+            self._check_usable()
             _lock_fd(self._fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, self.path)
             try:
                 yield self._buf
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _check_usable(self) -> None:
+        if self._fd < 0:
+            raise LedgerError(f"ledger {self.path} is closed", hint="open it again")
+        if os.getpid() != self._pid:
+            # a forked child shares the parent's open file description, hence its flock:
+            # the lock would not exclude the parent
+            raise LedgerError(
+                f"ledger {self.path} was opened by process {self._pid} and used after a fork",
+                hint="open the ledger (and register a gate) in the process that uses it",
+            )
 
     # -- reading -------------------------------------------------------------------------
 
@@ -779,7 +790,13 @@ def _create(path: Path, device_uuid: str, device_total: int) -> None:
                     f"{GROUP_ENV}={group!r} names no group on this machine",
                     hint="set it to an existing group (see `getent group`) or unset it",
                 ) from None
-            os.fchown(fd, -1, gid)
+            try:
+                os.fchown(fd, -1, gid)
+            except OSError as exc:
+                raise LedgerError(
+                    f"cannot give the new ledger to group {group!r}: {exc.strerror}",
+                    hint=f"run as a member of {group!r} or unset {GROUP_ENV}",
+                ) from None
         os.fchmod(fd, mode)  # exact mode whatever the umask
         head = bytearray(_HEADER_SIZE)
         values: dict[str, int | float | bytes] = {
@@ -1013,8 +1030,7 @@ class LedgerGate:
         led = self.ledger
         led._tlock.acquire()
         try:
-            if led._fd < 0:
-                raise LedgerError(f"ledger {led.path} is closed", hint="open it again")
+            led._check_usable()
             _lock_fd(led._fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, led.path)
         except BaseException:
             led._tlock.release()

@@ -344,6 +344,20 @@ def test_readers_take_a_shared_lock(ledger: GpuLedger, monkeypatch: pytest.Monke
         os.close(fd)
 
 
+def test_use_after_fork_is_refused(ledger: GpuLedger) -> None:
+    a = gate(ledger, "a")
+    pid = os.fork()
+    if pid == 0:  # the child shares the parent's flock: it must not use the ledger
+        try:
+            a.try_acquire(MiB)
+        except LedgerError as exc:
+            os._exit(0 if "used after a fork" in exc.message else 2)
+        os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert a.try_acquire(MiB), "the parent is unaffected"
+
+
 def test_device_free_is_published_from_the_backend() -> None:
     backend = ledger_procs.host_backend(64 * MiB)
     with LedgerGate.from_backend(backend, name="a", engine="test") as g:
