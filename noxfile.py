@@ -41,9 +41,12 @@ def tests(session: nox.Session) -> None:
     session.install("-e", ".[test]")
     session.install(*PATCHQ_DEPS)  # tests/patchq drive the repository's patch tooling
     env = {"PYTHONHASHSEED": "0"}
-    session.run("pytest", *(session.posargs or ["-q"]), env=env)
+    # tests/engines/ need an engine installed: their own sessions (test-<engine>-<v>) run them.
+    session.run("pytest", *(session.posargs or ["-q", "--ignore=tests/engines"]), env=env)
     if not session.posargs:  # the full suite (CI) also proves every series still applies
         session.notify("patches-check")
+        for engine_session in SGLANG_TEST_SESSIONS:  # the real SGLang classes, three ways
+            session.notify(engine_session)
 
 
 def _engine_keys() -> list[str]:
@@ -93,3 +96,64 @@ for _rel in MATRIX:
     _build_session(_rel.name, _rel.version, _rel.short)
 for _name in dict.fromkeys(rel.name for rel in MATRIX):
     _rebase_session(_name)
+
+
+# --- SGLang engine tests (tests/engines/sglang/): the real SGLang allocator, pool and radix
+# cache on CPU, three ways: the pinned upstream wheel, then the forked wheel with elastic KV off
+# and on. One session per pinned SGLang release that has a pinned CPU dependency list. ---
+SGLANG_TESTS = ROOT / "tests" / "engines" / "sglang"
+
+
+def _sglang_test_session(version: str, short: str) -> str | None:
+    requirements = SGLANG_TESTS / f"requirements-{version}.txt"
+    if not requirements.exists():
+        return None
+    name = f"test-sglang-{short}"
+
+    def test_sglang(session: nox.Session) -> None:
+        session.install("--no-deps", TORCH, "-r", str(requirements))
+        session.install("--no-deps", "-e", ".")
+        env = {"PYTHONHASHSEED": "0", "PYTHONPATH": str(SGLANG_TESTS / "shim")}
+        pytest_args = session.posargs or ["-q", "-p", "no:cacheprovider"]
+        fetch = ("python", "-m", "patchq", "fetch", "sglang", version, "wheel", "--python")
+        upstream = session.run(*fetch, PYTHON, silent=True).strip().splitlines()[-1]
+        session.install("--no-deps", "--force-reinstall", upstream)
+        session.run(
+            "pytest",
+            str(SGLANG_TESTS),
+            *pytest_args,
+            env={**env, "KVCORE_SGLANG_EXPECT": "upstream"},
+        )
+        if not (ROOT / "patches" / "sglang" / version / "series").exists():
+            session.log(f"no patch series for sglang {version}: upstream run only")
+            return
+        built = session.run(
+            "python", "-m", "patchq", "build", "sglang", version, "--no-install-check", silent=True
+        )
+        forked = sorted(
+            (ROOT / "dist").glob(f"sglang-{version}+kvcore.*-cp311-*.whl"),
+            key=lambda p: p.stat().st_mtime,
+        )
+        if not forked:
+            session.error(f"patchq build produced no forked wheel:\n{built}")
+        session.install("--no-deps", "--force-reinstall", str(forked[-1]))
+        session.run(
+            "pytest",
+            str(SGLANG_TESTS),
+            *pytest_args,
+            env={**env, "KVCORE_SGLANG_EXPECT": "patched"},
+        )
+
+    test_sglang.__doc__ = (
+        f"SGLang {version} KV tests on CPU: upstream wheel, then forked wheel (elastic off, on)."
+    )
+    nox.session(name=name, python=PYTHON)(test_sglang)
+    return name
+
+
+SGLANG_TEST_SESSIONS = [
+    s
+    for rel in MATRIX
+    if rel.name == "sglang"
+    if (s := _sglang_test_session(rel.version, rel.short))
+]
