@@ -15,7 +15,8 @@ File layout (little-endian, fixed size, version ``LAYOUT_VERSION``)::
                         device ordinal, limit + limit revision, mapped bytes, reserve bytes,
                         trim deadline, refusal count, registration and last update times
 
-A file whose magic, version, sizes or device uuid do not match is refused with
+A file whose magic, version, sizes or device uuid do not match, or that is not a regular
+file, or that every user may write (anyone could have planted it), is refused with
 ``LedgerError`` and never written to. A new ledger is written completely to a temporary
 file and published with ``link(2)``, so the path never holds a half-made ledger.
 
@@ -57,6 +58,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import struct
 import threading
 import time
@@ -386,7 +388,8 @@ class GpuLedger:
     def open_path(cls, path: Path, *, expect_uuid: str | None = None) -> GpuLedger:
         """Open an existing ledger file by path (``kvctl``, ``kvtop``). Raises as ``open``."""
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # O_NONBLOCK: a FIFO planted at the path must not hang us (no effect on files)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             raise LedgerNotFound(
                 f"no kvcore ledger at {path}",
@@ -402,7 +405,12 @@ class GpuLedger:
         try:
             _lock_fd(fd, fcntl.LOCK_SH, path)
             try:
-                size = os.fstat(fd).st_size
+                st = os.fstat(fd)
+                size = st.st_size
+                if not stat.S_ISREG(st.st_mode):
+                    raise _refuse(path, "not a regular file")
+                if st.st_mode & 0o002:
+                    raise _refuse(path, "writable by every user (kvcore creates 0600 or 0660)")
                 if size < _HEADER_SIZE:
                     raise _refuse(path, f"{size} bytes, shorter than a ledger header")
                 head = os.pread(fd, _HEADER_SIZE, 0)

@@ -136,6 +136,19 @@ def test_symlink_at_the_ledger_path_is_not_followed(tmp_path: Path) -> None:
     assert target.read_bytes() == b"precious"
 
 
+def test_world_writable_ledger_is_refused(ledger: GpuLedger) -> None:
+    ledger.close()
+    ledger.path.chmod(0o666)  # anyone could have planted or rewritten it
+    with pytest.raises(LedgerError, match="writable by every user"):
+        GpuLedger.open(UUID)
+
+
+def test_fifo_at_the_ledger_path_is_refused_without_hanging() -> None:
+    os.mkfifo(ledger_path(UUID), 0o600)
+    with pytest.raises(LedgerError, match="not a regular file"):
+        GpuLedger.open(UUID, device_total=MiB)
+
+
 def test_corrupt_record_is_reported_not_guessed(ledger: GpuLedger) -> None:
     gate(ledger, "a")
     with ledger.path.open("r+b") as f:
