@@ -170,3 +170,22 @@ def test_radix_insert_match_lock_evict(kv_mode: str, make: Any) -> None:
     assert tree.evict(EvictParams(num_tokens=64)).num_tokens_evicted == 64
     assert tree.evictable_size() == 0
     assert a.available_size() == 512
+
+
+def test_radix_page_aligned_match_extra_key_and_lock_accounting(kv_mode: str, make: Any) -> None:
+    e = make(kv_mode, size=512, page_size=16)
+    a = e.allocator
+    tree = radix(a, 16)
+    tokens = array("q", range(1, 41))  # 40 tokens: only 2 whole pages are cached
+    kv = a.alloc(48)
+    tree.insert(InsertParams(key=RadixKey(token_ids=tokens), value=kv[:40]))
+    assert tree.evictable_size() == 32
+    m = tree.match_prefix(MatchPrefixParams(key=RadixKey(token_ids=tokens[:20])))
+    assert m.device_prefix_len == 16  # matches stop at page boundaries
+    other = tree.match_prefix(MatchPrefixParams(key=RadixKey(token_ids=tokens, extra_key="lora")))
+    assert other.device_prefix_len == 0  # extra keys isolate namespaces
+    full = tree.match_prefix(MatchPrefixParams(key=RadixKey(token_ids=tokens)))
+    tree.inc_lock_ref(full.last_device_node)
+    assert (tree.evictable_size(), tree.protected_size()) == (0, 32)
+    tree.dec_lock_ref(full.last_device_node)
+    assert (tree.evictable_size(), tree.protected_size()) == (32, 0)
