@@ -671,3 +671,28 @@ def test_page_allocator_honours_trim_and_a_lowered_limit(ledger: GpuLedger) -> N
     finally:
         stack.close()
     assert g.record().mapped == 0
+
+
+@pytest.mark.gpu
+def test_cuda_backend_keys_the_ledger_by_the_gpu_uuid(capsys: pytest.CaptureFixture[str]) -> None:
+    """On a GPU: the ledger is named by the driver's UUID, sized by its total memory, and
+    kvtop's bar gets the memory held outside kvcore from the published free figure."""
+    from kvcore.cli import kvtop
+    from kvcore.vmm import open_backend
+
+    backend = open_backend("cuda", 0)
+    try:
+        info = backend.mem_info()
+        with LedgerGate.from_backend(backend, name="gpu-test", engine="test") as g:
+            snap = g.ledger.snapshot()
+            assert snap.device_uuid == backend.device_uuid()
+            assert snap.path == ledger_path(backend.device_uuid())
+            assert snap.device_total == info.total
+            assert 0 < snap.device_free <= info.total and snap.device_free_time > 0
+            page = backend.granularity()
+            assert g.try_acquire(page) and g.record().mapped == page
+            assert kvtop.main(["--once"]) == 0
+            out = capsys.readouterr().out
+            assert "gpu-test" in out and "other unknown" not in out
+    finally:
+        backend.close()

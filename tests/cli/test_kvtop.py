@@ -165,3 +165,11 @@ def test_live_view_in_a_terminal_quits_cleanly(instance: Spawn, how: str) -> Non
             proc.wait(5)
         os.close(master)
         os.close(slave)
+
+
+def test_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        kvtop.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: kvtop") and "--interval" in out and "kvtop --once" in out
