@@ -1,10 +1,10 @@
 """``patches-check``: every committed series applies exactly and re-exports byte for byte.
 
 For each pinned release with a series: the trailers are present, the series applies to the
-pinned wheel's sources in a scratch fork without any 3-way fallback, and ``format_patches`` of
-that fork reproduces the committed patch files exactly (a patch that applied at an offset
-re-exports with different hunk headers and fails here). The developer's own fork under
-``forks/`` is never touched.
+pinned wheel's sources in a scratch fork that holds nothing but that release (so no three-way
+merge can paper over a difference), and ``format_patches`` of that fork reproduces the
+committed patch files exactly (a patch that applied at an offset re-exports with other hunk
+headers and fails here). The developer's own fork under ``forks/`` is never touched.
 """
 
 from __future__ import annotations
@@ -44,9 +44,7 @@ def check_release(ws: Workspace, rel: EngineRelease, *, python: str | None = Non
     )
     with tempfile.TemporaryDirectory(prefix="patchq-check-") as tmp:
         try:
-            fork = materialize(
-                ws, rel, dest=Path(tmp) / "fork", strict=True, python=python, series=series
-            )
+            fork = materialize(ws, rel, dest=Path(tmp) / "fork", python=python, series=series)
         except ApplyError as exc:
             raise ApplyError(exc.message, patch=exc.patch, file=exc.file, hint=redo, **ctx) from exc
         exported = Path(tmp) / "export"

@@ -77,7 +77,7 @@ class ForkError(PatchqError):
 
 
 class ApplyError(PatchqError):
-    """A patch does not apply to its pinned release exactly (no 3-way fallback, no offset)."""
+    """A committed patch does not apply to the release it belongs to."""
 
 
 class ExportMismatch(PatchqError):

@@ -34,7 +34,6 @@ UPSTREAM_REF = "refs/kvcore/upstream"
 BRANCH = "kvcore"
 _COMPILED = (".so", ".pyd", ".dll", ".dylib", ".a", ".o", ".lib", ".pyc", ".exe")
 _APPLY_ERROR = re.compile(r"^error: (?:patch failed: )?([^\s:]+):")
-_FALLBACK = "Falling back to patching base and 3-way merge"
 
 
 def base_ref(version: str) -> str:
@@ -166,15 +165,16 @@ def apply_series(
     repo: Path,
     patches: list[Path],
     *,
-    strict: bool,
     engine: str,
     version: str,
     first_index: int = 1,
 ) -> Stop | None:
-    """Apply ``patches`` in order with ``git am --3way``, one commit each. Returns ``None``
-    when all applied, else the ``Stop`` where ``am`` halted (the repository stays in the am
-    state). With ``strict``, a patch that only applies through the 3-way fallback (its context
-    is not the release's) raises ``ApplyError`` after the run."""
+    """Apply ``patches`` in order with one ``git am --3way`` run, one commit each. Returns
+    ``None`` when all applied, else the ``Stop`` where ``am`` halted (the repository stays in
+    the am state). Raises ``GitError`` when ``am`` fails without stopping at a patch.
+
+    An offset or a hand-edited patch is not detected here: ``check`` re-exports the result and
+    compares bytes, which catches both."""
     if not patches:
         return None
     proc = gitcmd.git(repo, "am", "--3way", "--keep-cr", *(str(p) for p in patches), check=False)
@@ -189,19 +189,6 @@ def apply_series(
                 version=version,
             )
         return stop_state(repo, output, first_index)
-    if strict:
-        applied = output.split("Applying: ")[1:]
-        for path, chunk in zip(patches, applied, strict=False):
-            if _FALLBACK in chunk:
-                raise ApplyError(
-                    "applies only through a 3-way merge: its context lines or index lines are "
-                    "not those of the pinned release",
-                    engine=engine,
-                    version=version,
-                    patch=path.name,
-                    hint=f"python -m patchq materialize {engine} {version} --force, then "
-                    f"python -m patchq export {engine} {version}",
-                )
     return None
 
 
@@ -212,7 +199,6 @@ def materialize(
     dest: Path | None = None,
     python: str | None = None,
     force: bool = False,
-    strict: bool = False,
     series: Series | None = None,
 ) -> Path:
     """Create the fork of ``rel`` at ``dest`` (default ``forks/<engine>/<version>/``): the
@@ -242,9 +228,7 @@ def materialize(
     gitcmd.git(dest, "update-ref", UPSTREAM_REF, base)
     gitcmd.git(dest, "checkout", "-q", "-f", "-B", BRANCH, base)
     with step(f"applying {len(series.patches)} patches onto {rel.name} {rel.version}"):
-        stop = apply_series(
-            dest, series.paths(), strict=strict, engine=rel.name, version=rel.version
-        )
+        stop = apply_series(dest, series.paths(), engine=rel.name, version=rel.version)
     if stop is not None:
         name = series.patches[stop.index - 1]
         raise ApplyError(

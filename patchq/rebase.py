@@ -275,7 +275,7 @@ def rebase(
     init_repo(fork)
     src_base = import_base(fork, src, src_wheel)
     gitcmd.git(fork, "checkout", "-q", "-f", "-B", f"{BRANCH}-{src.version}", src_base)
-    stop = apply_series(fork, series.paths(), strict=False, engine=engine, version=src.version)
+    stop = apply_series(fork, series.paths(), engine=engine, version=src.version)
     if stop is not None:
         raise ApplyError(
             "the source series does not apply to its own release",
@@ -296,7 +296,7 @@ def rebase(
     }
     (fork / ".git" / _STATE).write_text(json.dumps(state, indent=1))
     with step(f"replaying {len(series.patches)} patches of {src.version} onto {tgt.version}"):
-        stop = apply_series(fork, series.paths(), strict=False, engine=engine, version=tgt.version)
+        stop = apply_series(fork, series.paths(), engine=engine, version=tgt.version)
     if stop is not None:
         raise _conflict(ws, fork, state, stop)
     return _finish(ws, fork, state, tgt)

@@ -301,9 +301,7 @@ def build(
     version = local_version(rel.version, series.build)
     upstream = ws.cache.fetch(rel, "wheel", python)
     with tempfile.TemporaryDirectory(prefix="patchq-build-") as tmp:
-        fork = materialize(
-            ws, rel, dest=Path(tmp) / "fork", python=python, strict=True, series=series
-        )
+        fork = materialize(ws, rel, dest=Path(tmp) / "fork", python=python, series=series)
         with step(f"repacking {upstream.name} as {version}"):
             wheel = repack(upstream, fork, ws.dist_dir, version)
         info(f"built {wheel} ({len(changes(fork))} files from {len(series.patches)} patches)")

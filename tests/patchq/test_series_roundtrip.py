@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -9,12 +10,12 @@ import pytest
 
 from patchq import gitcmd
 from patchq.check import check_all, check_release
-from patchq.errors import ExportMismatch, ForkError, SeriesError
+from patchq.errors import ApplyError, ExportMismatch, ForkError, SeriesError
 from patchq.export import export
 from patchq.fork import UPSTREAM_REF, base_ref, materialize
 from patchq.series import read
 from patchq.workspace import Workspace
-from tests.patchq.conftest import PATCHED_LINE, commit_patch, release_sources
+from tests.patchq.conftest import PATCHED_LINE, commit_patch, matrix_entry, release_sources
 
 
 def _seam_patches(fork: Path) -> None:
@@ -158,3 +159,35 @@ def test_patch_files_never_contain_compiled_members(ws: Workspace) -> None:
     fork = materialize(ws, rel)
     assert not (fork / "toyeng/_native.abi3.so").exists()
     assert not (fork / "toyeng/weights.bin").exists()
+
+
+def test_check_refuses_a_series_that_only_a_three_way_merge_would_apply(
+    ws: Workspace, index_dir: Path
+) -> None:
+    # A util.py patch written on 1.0.0 (hunk at the end of the file), committed as the series
+    # of 1.0.1, where upstream appended a function: a rebase would merge it, check must not.
+    wheel = next(index_dir.glob("toyeng-1.0.1-*.whl"))
+    ws.matrix_path.write_text(ws.matrix_path.read_text() + matrix_entry(wheel, "1.0.1", "1.0.1"))
+    old, new = ws.release("toyeng", "1.0.0"), ws.release("toyeng", "1.0.1")
+    fork = materialize(ws, old)
+    commit_patch(fork, "toyeng/util.py", "max(lo", "max(lo ", "util: spacing")
+    export(ws, old)
+    shutil.copytree(ws.series_dir(old), ws.series_dir(new))
+    with pytest.raises(ApplyError, match="does not apply to the pinned release") as err:
+        check_release(ws, new)
+    assert err.value.patch == "0001-util-spacing.patch"
+    assert err.value.version == "1.0.1"
+
+
+def test_check_refuses_a_patch_whose_context_was_edited_by_hand(ws: Workspace) -> None:
+    rel = ws.release("toyeng", "1.0.0")
+    fork = materialize(ws, rel)
+    _seam_patches(fork)
+    path = export(ws, rel) / "0001-core-ask-an-allocator-for-new-blocks.patch"
+    context = "\n         self.free = list(range(num_blocks))\n"
+    assert context in path.read_text()
+    path.write_text(path.read_text().replace(context, "\n         self.free = []\n"))
+    with pytest.raises(ApplyError) as err:
+        check_release(ws, rel)
+    assert err.value.patch == path.name
+    assert "python -m patchq materialize toyeng 1.0.0 --force" in err.value.hint
