@@ -901,11 +901,16 @@ class LedgerGate:
         *,
         name: str,
         engine: str,
+        engine_version: str = "",
+        model: str = "",
+        limit: int = 0,
+        on_change: Callable[[InstanceRecord], None] | None = None,
         directory: Path | None = None,
-        **options: object,
     ) -> LedgerGate:
-        """Open (or create) the ledger of ``backend``'s device and register there.
-        ``options`` are the other constructor arguments."""
+        """Open (or create, sized by ``backend.mem_info().total``) the ledger of
+        ``backend``'s device and register there; the gate publishes the device's free
+        memory from ``backend.mem_info`` and closes the ledger with itself. Arguments as
+        for the constructor; ``directory`` overrides ``ledger_dir()``. Raises as both."""
         info = backend.mem_info()
         ledger = GpuLedger.open(backend.device_uuid(), device_total=info.total, directory=directory)
         try:
@@ -913,9 +918,12 @@ class LedgerGate:
                 ledger,
                 name=name,
                 engine=engine,
+                engine_version=engine_version,
+                model=model,
                 device=backend.device,
+                limit=limit,
                 mem_info=backend.mem_info,
-                **options,  # type: ignore[arg-type]
+                on_change=on_change,
             )
         except BaseException:
             ledger.close()
