@@ -873,7 +873,8 @@ class LedgerGate:
     ) -> None:
         """Register instance ``name`` in ``ledger``. ``limit`` is bytes (0: none);
         ``mem_info`` (the backend's) lets the gate publish the device's free memory;
-        ``on_change`` is called with a fresh record after each change (metrics).
+        ``on_change`` is called with a fresh record after each change (metrics), and
+        once more at ``close`` with nothing mapped.
         Raises ``LedgerError`` if the name is taken by a live instance or the ledger is
         full."""
         self.ledger = ledger
@@ -1089,13 +1090,16 @@ class LedgerGate:
         if self._closed:
             return
         self._closed = True
+        last = None
         with contextlib.suppress(LedgerError), self.ledger._own(self._slot, self._token) as buf:
             base = _base(self._slot)
-            mapped = _int(_RECORD.get(buf, base, "mapped"))
+            last = _read_record(buf, self._slot)
             total = _int(_HEADER.get(buf, 0, "total_mapped"))
-            _HEADER.put(buf, 0, "total_mapped", max(0, total - mapped))
+            _HEADER.put(buf, 0, "total_mapped", max(0, total - last.mapped))
             buf[base : base + _RECORD_SIZE] = bytes(_RECORD_SIZE)
             _bump(buf)
+        if last is not None and self._on_change is not None:
+            self._on_change(replace(last, mapped=0, reserve=0))  # gone: holds nothing
         if self._owns_ledger:
             self.ledger.close()
 

@@ -74,6 +74,9 @@ def test_instance_gauges_follow_the_gate() -> None:
     assert value(text, "kvcore_reserve_bytes") == 2 * MiB
     assert value(text, "kvcore_limit_bytes") == 10 * MiB
     assert value(text, "kvcore_acquire_denied") == 1
+    gate.close()
+    text = generate_latest(registry).decode()
+    assert value(text, "kvcore_mapped_bytes") == value(text, "kvcore_reserve_bytes") == 0
     led.close()
 
 
