@@ -76,6 +76,12 @@ def test_unknown_group_is_refused_and_nothing_is_created(monkeypatch: pytest.Mon
     assert not list(ledger_path(UUID).parent.iterdir())
 
 
+def test_unwritable_directory_says_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(LedgerError, match="cannot create a kvcore ledger in") as info:
+        GpuLedger.open(UUID, device_total=MiB, directory=tmp_path / "missing")
+    assert gpu_ledger.DIR_ENV in info.value.hint
+
+
 def test_missing_ledger_without_device_size_is_not_found() -> None:
     with pytest.raises(LedgerNotFound) as info:
         GpuLedger.open(UUID)
