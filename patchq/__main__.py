@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from compat.matrix import MatrixError
 from patchq.console import console
@@ -44,6 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("version")
     p.add_argument("--python", help="the interpreter the wheel is for (default: this one)")
     p.add_argument("--no-install-check", action="store_true")
+    p.add_argument(
+        "--deps-env",
+        type=Path,
+        help="a venv with the engine's dependencies: the changed modules must then import",
+    )
 
     p = sub.add_parser("rebase", help="replay a series onto another release")
     p.add_argument("engine")
@@ -83,6 +89,7 @@ def _run(args: argparse.Namespace, ws: Workspace) -> None:
             ws.release(args.engine, args.version),
             python=args.python,
             install_check=not args.no_install_check,
+            deps_env=args.deps_env,
         )
     elif args.command == "rebase":
         from patchq.rebase import rebase

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import struct
 import subprocess
 import sys
@@ -230,10 +231,32 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, check=False)
 
 
-def verify_install(wheel: Path, rel: EngineRelease, fork: Path, version: str) -> list[str]:
+_IMPORT_PROBE = """
+import importlib, json, sys
+result = {}
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+        result[name] = None
+    except BaseException as exc:
+        result[name] = [type(exc).__name__, getattr(exc, "name", None) or "", str(exc)]
+print(json.dumps(result))
+"""
+
+
+def _site(python: str) -> Path:
+    proc = _run([python, "-c", "import sysconfig; print(sysconfig.get_path('platlib'))"])
+    return Path(proc.stdout.strip())
+
+
+def verify_install(
+    wheel: Path, rel: EngineRelease, fork: Path, version: str, deps_env: Path | None = None
+) -> list[str]:
     """Install ``wheel`` (``--no-deps``) into a fresh venv and check it against ``fork`` (see
-    the module docstring). Returns notes on modules that could not be imported for missing
-    dependencies. Raises ``BuildError`` on any failed check."""
+    the module docstring). With ``deps_env`` (a venv holding the engine's dependencies), its
+    site-packages are appended to the fresh venv's path, so the changed modules must import
+    for real. Returns notes on modules not importable for a missing third-party dependency.
+    Raises ``BuildError`` on any failed check."""
     ctx = {"engine": rel.name, "version": rel.version, "file": wheel.name}
     hint = f"python -m patchq build {rel.name} {rel.version} after fixing the series"
     with tempfile.TemporaryDirectory(prefix="patchq-install-") as tmp:
@@ -253,11 +276,7 @@ def verify_install(wheel: Path, rel: EngineRelease, fork: Path, version: str) ->
         )
         if reported != version:
             raise BuildError(f"pip show reports version {reported}, expected {version}", **ctx)
-        site = Path(
-            _run(
-                [py, "-c", "import sysconfig; print(sysconfig.get_path('platlib'))"]
-            ).stdout.strip()
-        )
+        site = _site(py)
         for path in gitcmd.out(fork, "ls-files").splitlines():
             installed = site / path
             if not installed.is_file() or installed.read_bytes() != (fork / path).read_bytes():
@@ -269,19 +288,25 @@ def verify_install(wheel: Path, rel: EngineRelease, fork: Path, version: str) ->
             proc = _run([py, "-m", "py_compile", *(str(site / p) for p in changed)])
             if proc.returncode != 0:
                 raise BuildError(f"a patched module does not compile:\n{proc.stderr}", **ctx)
+        if deps_env is not None:
+            (site / "_patchq_deps.pth").write_text(f"{_site(str(deps_env / 'bin' / 'python'))}\n")
+        modules = [p[: -len(".py")].replace("/", ".").removesuffix(".__init__") for p in changed]
+        with step(f"importing the {len(modules)} changed modules"):
+            probe = _run([py, "-c", _IMPORT_PROBE, *modules])
+        try:
+            failures = json.loads(probe.stdout.strip().splitlines()[-1]) if modules else {}
+        except (ValueError, IndexError) as exc:
+            raise BuildError(f"the import probe crashed:\n{probe.stderr[-2000:]}", **ctx) from exc
         notes = []
-        for path in changed:
-            module = path[: -len(".py")].replace("/", ".").removesuffix(".__init__")
-            proc = _run([py, "-c", f"import {module}"])
-            if proc.returncode == 0:
+        for module, failure in failures.items():
+            if failure is None:
                 continue
-            last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-            if last.startswith("ModuleNotFoundError"):
-                missing = last.split("'")[1] if "'" in last else last
-                if missing.split(".")[0] != rel.name:
-                    notes.append(f"{module}: not importable without its dependencies ({missing})")
-                    continue
-            raise BuildError(f"importing {module} fails: {last}", hint=hint, **ctx)
+            kind, missing, text = failure
+            third_party = kind == "ModuleNotFoundError" and missing.split(".")[0] != rel.name
+            if third_party and deps_env is None:
+                notes.append(f"{module}: not importable without its dependencies ({missing})")
+                continue
+            raise BuildError(f"importing {module} fails: {kind}: {text}", hint=hint, **ctx)
     return notes
 
 
@@ -291,6 +316,7 @@ def build(
     *,
     python: str | None = None,
     install_check: bool = True,
+    deps_env: Path | None = None,
 ) -> Path:
     """Build ``rel``'s forked wheel (for ``python``, default the running interpreter) into
     ``ws.dist_dir`` from the committed series; with ``install_check``, verify it installs (only
@@ -310,7 +336,7 @@ def build(
             if not fits:
                 info(f"install check skipped: the wheel is for Python {python}")
             else:
-                for note in verify_install(wheel, rel, fork, version):
+                for note in verify_install(wheel, rel, fork, version, deps_env):
                     info(f"note: {note}")
                 info(
                     f"install check passed: pip show {rel.name} -> {version}; fork files identical"

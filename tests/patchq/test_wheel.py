@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import venv
 import zipfile
 from pathlib import Path
 
@@ -104,3 +105,30 @@ def test_a_patched_module_that_does_not_compile_fails_the_build(ws: Workspace) -
     export(ws, rel)
     with pytest.raises(BuildError, match="does not compile"):
         build(ws, rel)
+
+
+def _deps_env(path: Path, module_source: str) -> Path:
+    """A venv whose site-packages holds ``toy_dep.py`` (the engine's "dependency")."""
+    venv.create(path, with_pip=False)
+    site = next(path.glob("lib/python*/site-packages"))
+    (site / "toy_dep.py").write_text(module_source)
+    return path
+
+
+def test_changed_modules_import_for_real_when_a_deps_env_is_given(
+    ws: Workspace, tmp_path: Path
+) -> None:
+    rel = ws.release("toyeng", "1.0.0")
+    fork = materialize(ws, rel)
+    commit_patch(fork, "toyeng/core.py", '"""The toy', 'import toy_dep\n"""The toy', "core: dep")
+    export(ws, rel)
+    wheel = build(ws, rel, install_check=False)
+    version = "1.0.0+kvcore.1"
+    # Without the dependencies: reported, not failed (byte identity and compile still checked).
+    notes = verify_install(wheel, rel, fork, version)
+    assert notes == ["toyeng.core: not importable without its dependencies (toy_dep)"]
+    good = _deps_env(tmp_path / "deps", "VALUE = 1\n")
+    assert verify_install(wheel, rel, fork, version, deps_env=good) == []
+    broken = _deps_env(tmp_path / "broken", "raise RuntimeError('dependency broken')\n")
+    with pytest.raises(BuildError, match=r"importing toyeng\.core fails: RuntimeError"):
+        verify_install(wheel, rel, fork, version, deps_env=broken)
