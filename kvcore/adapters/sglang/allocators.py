@@ -28,9 +28,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.kernels.ops.memory.allocator import alloc_decode_kernel
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator, alloc_decode_naive
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-from sglang.srt.utils import get_num_new_pages
+from sglang.srt.utils import get_num_new_pages, next_power_of_2
 
 from kvcore.errors import UnsupportedConfiguration
 
@@ -248,18 +249,26 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
     def alloc_decode(
         self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor
     ) -> torch.Tensor | None:
+        # upstream's alloc_decode minus its free-list bookkeeping, so the new-page count
+        # (a few torch ops on CPU) is computed once, not twice
         num_new_pages = int(
             get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True)
         )
         if not self._take(num_new_pages):
             return None
+        pages, self.free_pages = self.free_pages, self._empty
+        bs = len(seq_lens)
+        out = torch.empty((bs,), dtype=torch.int64, device=self.device)
         try:
-            out: torch.Tensor = super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+            if self.use_triton_kernels:
+                alloc_decode_kernel[(bs,)](
+                    seq_lens, last_loc, pages, out, next_power_of_2(bs), self.page_size
+                )
+            else:
+                alloc_decode_naive(seq_lens, last_loc, pages, out, self.page_size, num_new_pages)
         except BaseException:
-            self._release_page_ids(self.free_pages)
+            self._release_page_ids(pages)
             raise
-        finally:
-            self.free_pages = self._empty
         return out
 
     def _release_page_ids(self, *page_ids: torch.Tensor) -> None:
