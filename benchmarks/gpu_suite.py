@@ -238,9 +238,10 @@ class Suite:
 
         self.current: str | None = None
 
-    def start_watchdog(self, grace_s: float) -> None:
+    def start_watchdog(self, grace_s: float) -> Any:
         """Past the budget plus ``grace_s``, record the step that overran, write the
-        results and exit (status 3), so a hung step still leaves its numbers behind."""
+        results and exit (status 3), so a hung step still leaves its numbers behind.
+        Returns the timer; ``cancel()`` it when the suite ends."""
         import threading
 
         def fire() -> None:
@@ -257,6 +258,7 @@ class Suite:
         timer = threading.Timer(max(1.0, self.remaining() + grace_s), fire)
         timer.daemon = True
         timer.start()
+        return timer
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -1866,9 +1868,9 @@ def step_decode(suite: Suite) -> dict[str, Any]:
 def step_channel(suite: Suite) -> dict[str, Any]:
     """Run the worker-channel latency benchmark (another script, optional) with the suite's
     backend; its options are passed only where its ``--help`` lists them."""
-    script = HERE / "channel_latency.py"
+    script = Path(suite.args.channel_script)
     if not script.exists():
-        return {"status": "absent", "note": f"{script.relative_to(ROOT)} does not exist yet"}
+        return {"status": "absent", "note": f"{script} does not exist yet"}
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
@@ -1961,6 +1963,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="run benchmarks/channel_latency.py if present (default on)",
     )
     ap.add_argument(
+        "--channel-script",
+        default=str(HERE / "channel_latency.py"),
+        help="the worker-channel benchmark the channel step runs",
+    )
+    ap.add_argument(
         "--pytest-timeout",
         type=float,
         default=150.0,
@@ -1991,7 +1998,15 @@ def selected_steps(args: argparse.Namespace) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     suite = Suite(args)
-    suite.start_watchdog(args.grace_s)
+    watchdog = suite.start_watchdog(args.grace_s)
+    try:
+        return _run_suite(suite)
+    finally:
+        watchdog.cancel()
+
+
+def _run_suite(suite: Suite) -> int:
+    args = suite.args
     meta = suite.results["meta"]
     log(f"kvcore gpu suite: mode {suite.mode}, budget {args.budget_s:.0f} s, out {suite.out}")
     log(
