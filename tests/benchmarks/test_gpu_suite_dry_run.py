@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -263,3 +263,28 @@ print("ok")
         check=False,
     )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("mode", ["full", "quick"])
+def test_gpu_sizes_make_valid_geometries(suite: ModuleType, mode: str) -> None:
+    """Every shape the GPU run will build is a valid KV geometry on 2 MiB granularity (a
+    GeometryError there would cost a device call)."""
+    sz = suite.Sizes.for_mode(mode)
+    gpu = SimpleNamespace(granularity=lambda: 2 << 20)
+    shape = sz.shape
+    assert all(size % (2 << 20) == 0 for size in sz.vmm_sizes)
+    assert sz.bw_blocks % sz.bw_seqs == 0
+    for layout, page_bytes in sz.bw_variants:
+        geo = suite.kv_geometry(gpu, shape, sz.bw_blocks, page_bytes, layout)
+        assert geo.num_pages * geo.blocks_per_page == sz.bw_blocks  # no partial page
+    for page_bytes in sz.handoff_pages:
+        rows = sz.handoff_bytes // shape.compound_row_bytes
+        geo = suite.kv_geometry(gpu, shape, rows, page_bytes, "compound")
+        assert geo.num_pages * geo.page_device_bytes == sz.handoff_bytes
+    capacity = sz.decode_seqs * -(-sz.decode_max_len // shape.block_size) + sz.decode_seqs
+    for _, page_bytes, reserve in sz.decode_configs:
+        geo = suite.kv_geometry(gpu, shape, capacity, page_bytes, "compound")
+        assert reserve <= geo.num_pages
+    decided = {f"kvcore {lay}, {suite.size_text(pb)} pages" for lay, pb in sz.bw_variants}
+    for layout in ("compound", "per-layer"):  # decide_layout finds both default-size variants
+        assert f"kvcore {layout}, {suite.size_text(sz.page_unit)} pages" in decided
