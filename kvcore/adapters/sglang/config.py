@@ -33,6 +33,8 @@ class ElasticConfig:
     backend: str = "cuda"
     backend_options: Mapping[str, Any] = field(default_factory=dict)
     limit_bytes: int | None = None
+    gpu_ledger: bool = False
+    ledger_dir: str | None = None
     reserve_min: int = 0
     reserve_max: int = 0
     max_cached_tokens: int | None = None
@@ -77,8 +79,11 @@ class ElasticConfig:
             raise UnsupportedConfiguration("--kvcore-config: backend must be a string")
         if not isinstance(kwargs.get("backend_options", {}), Mapping):
             raise UnsupportedConfiguration("--kvcore-config: backend_options must be an object")
-        if not isinstance(kwargs.get("sanity", False), bool):
-            raise UnsupportedConfiguration("--kvcore-config: sanity must be true or false")
+        for name in ("sanity", "gpu_ledger"):
+            if not isinstance(kwargs.get(name, False), bool):
+                raise UnsupportedConfiguration(f"--kvcore-config: {name} must be true or false")
+        if not isinstance(kwargs.get("ledger_dir") or "", str):
+            raise UnsupportedConfiguration("--kvcore-config: ledger_dir must be a path string")
         config = cls(**kwargs)
         if config.reserve_min > config.reserve_max:
             raise UnsupportedConfiguration(

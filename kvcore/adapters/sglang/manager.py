@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,7 +41,8 @@ class ElasticKVManager:
     """kvcore memory behind one SGLang KV pool (module docstring).
 
     ``num_rows`` token rows of ``row_bytes`` bytes in each of ``num_layers x kv_buffers``
-    buffers, handed out in blocks of ``page_size`` rows. Raises ``GeometryError`` when the
+    buffers, handed out in blocks of ``page_size`` rows. ``name`` is this rank's instance
+    name in the per-GPU ledger (with ``config.gpu_ledger``). Raises ``GeometryError`` when the
     physical page cannot hold whole blocks, ``BackendUnavailable``/``VmmError`` when the
     backend cannot be opened or reserve the ranges, ``PoolFailed`` when block 0's page
     cannot be mapped; nothing is left reserved or mapped on failure.
@@ -57,6 +59,7 @@ class ElasticKVManager:
         num_rows: int,
         device_index: int = 0,
         backend: VmmBackend | None = None,
+        name: str = "sglang",
     ) -> None:
         self.config = config
         self.page_size = page_size
@@ -83,8 +86,7 @@ class ElasticKVManager:
             )
             self.cache = VirtualKVCache(self.backend, self.geometry, sanity=config.sanity)
             self.mapper = LocalPageMapper(self.cache)
-            limit = config.limit_bytes
-            self.gate: MemoryGate = BudgetGate(limit) if limit is not None else UnlimitedGate()
+            self.gate: MemoryGate = self._gate(config, name)
             self.pages = PageAllocator(
                 self.mapper,
                 self.gate,
@@ -120,6 +122,23 @@ class ElasticKVManager:
         view = self.cache.view(layer, buffer, dtype, block_shape=(self.page_size, *row_shape))
         return view.reshape(-1, *row_shape)[: self.num_rows]
 
+    def _gate(self, config: ElasticConfig, name: str) -> MemoryGate:
+        if config.gpu_ledger:
+            import sglang
+
+            from kvcore.gpu_ledger import LedgerGate
+
+            return LedgerGate.from_backend(
+                self.backend,
+                name=name,
+                engine="sglang",
+                engine_version=str(sglang.__version__),
+                limit=config.limit_bytes or 0,
+                directory=Path(config.ledger_dir) if config.ledger_dir else None,
+            )
+        limit = config.limit_bytes
+        return BudgetGate(limit) if limit is not None else UnlimitedGate()
+
     def stats(self) -> PageStats:
         """The page allocator's snapshot (mapped, in use, reserved, misses, ...)."""
         return self.pages.stats()
@@ -135,9 +154,9 @@ class ElasticKVManager:
 
     def _teardown(self) -> None:
         errors: list[BaseException] = []
-        for step in ("ledger", "pages", "mapper", "cache"):
+        for step in ("ledger", "pages", "mapper", "cache", "gate"):
             obj = getattr(self, step, None)
-            if obj is None:
+            if obj is None or not hasattr(obj, "close"):
                 continue
             try:
                 obj.close()

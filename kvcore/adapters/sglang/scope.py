@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 from typing import Any
 
 from kvcore.adapters.sglang.allocators import elastic_allocator
@@ -134,6 +135,7 @@ class ElasticScope:
             page_size=pool.page_size,
             num_rows=rows,
             device_index=self.device_index,
+            name=f"sglang-{os.getpid()}-{len(self.managers)}",
         )
         self.managers.append(manager)
         return manager

@@ -203,3 +203,27 @@ def test_server_args_flag_in_help() -> None:
     )
     assert args.kvcore_elastic is True and args.kvcore_config == {"limit_bytes": 1}
     assert parser.parse_args(["--model-path", "m"]).kvcore_elastic is False
+
+
+def test_rank_registers_in_the_gpu_ledger_and_leaves_it(tmp_path: Any) -> None:
+    from kvcore.gpu_ledger import GpuLedger, list_ledgers
+
+    e = build("on", size=2048, page_size=16, gpu_ledger=True, ledger_dir=str(tmp_path))
+    try:
+        e.allocator.alloc(4 * TOKENS_PER_PAGE)
+        e.manager.pages.flush()
+        (path,) = list_ledgers(tmp_path)
+        ledger = GpuLedger.open_path(path)
+        try:
+            (record,) = ledger.snapshot().records
+            assert record.engine == "sglang"
+            assert record.mapped == e.pages().mapped * e.manager.geometry.page_device_bytes
+        finally:
+            ledger.close()
+    finally:
+        e.scope.close()
+    ledger = GpuLedger.open_path(path)
+    try:
+        assert ledger.snapshot().records == ()  # clean shutdown removes the rank's record
+    finally:
+        ledger.close()
