@@ -9,7 +9,8 @@ import grp
 import multiprocessing
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import pytest
@@ -456,145 +457,114 @@ def test_sweep_heals_a_total_left_inconsistent(ledger: GpuLedger) -> None:
 # -- real processes -----------------------------------------------------------------------
 
 
+class _Hammers:
+    """``n`` hammer processes (``ledger_procs.hammer``) allocating on one host device whose
+    ledger has ``budget``; they stay registered until ``finish``."""
+
+    def __init__(self, n: int, iterations: int, seed: int, budget: int) -> None:
+        device = 1024 * MiB
+        self.backend = ledger_procs.host_backend(device)
+        self.led = GpuLedger.open(self.backend.device_uuid(), device_total=device)
+        self.led.set_budget(budget)
+        self.budget = budget
+        self.ctx = multiprocessing.get_context("spawn")
+        self.held, self.peak = self.ctx.Value("q", 0), self.ctx.Value("q", 0)
+        self.results, self.start, self.linger = self.ctx.Queue(), self.ctx.Event(), self.ctx.Event()
+        self.sync = (self.results, self.start, self.linger)
+        self.procs = [
+            self.ctx.Process(
+                target=ledger_procs.hammer,
+                args=(f"p{i}", device, iterations, seed + i, self.held, self.peak, *self.sync),
+            )
+            for i in range(n)
+        ]
+        for p in self.procs:
+            p.start()
+        while len(self.led.snapshot().records) < n:
+            time.sleep(0.01)
+
+    def done(self) -> bool:
+        """Every hammer finished its iterations (and is lingering, still registered)."""
+        return self.results.qsize() == len(self.procs)
+
+    def finish(self, others: Sequence[BaseProcess] = ()) -> list[dict[str, int]]:
+        """Let them close; check each one's ledger claim against the handles it held."""
+        out: list[dict[str, int]] = [self.results.get(timeout=120) for _ in self.procs]
+        self.linger.set()
+        for p in [*self.procs, *others]:
+            p.join(60)
+            assert p.exitcode == 0
+        for r in out:
+            assert r["ledger_mapped"] == r["own_bytes"] == r["backend_bytes"]
+        assert 0 < self.peak.value <= self.budget, "independent count of what they held"
+        assert self.held.value == 0
+        snap = self.led.snapshot()
+        assert snap.records == () and snap.total_mapped == 0
+        self.led.close()
+        self.backend.close()
+        return out
+
+
 def test_processes_never_exceed_the_shared_budget_in_sum() -> None:
-    device, budget, n = 1024 * MiB, 40 * PAGE, 4
-    backend = ledger_procs.host_backend(device)
-    led = GpuLedger.open(backend.device_uuid(), device_total=device)
-    led.set_budget(budget)
-    ctx = multiprocessing.get_context("spawn")
-    held, peak = ctx.Value("q", 0), ctx.Value("q", 0)
-    results, start = ctx.Queue(), ctx.Event()
-    procs = [
-        ctx.Process(
-            target=ledger_procs.hammer,
-            args=(f"p{i}", device, 1500, i, held, peak, results, start),
-        )
-        for i in range(n)
-    ]
-    for p in procs:
-        p.start()
-    while len(led.snapshot().records) < n:
-        time.sleep(0.01)
-    start.set()
+    budget = 40 * PAGE
+    hammers = _Hammers(4, iterations=1500, seed=0, budget=budget)
+    hammers.start.set()
     samples = 0
-    while any(p.is_alive() for p in procs):
-        snap = led.snapshot()
+    while not hammers.done():
+        snap = hammers.led.snapshot()
         assert snap.total_mapped <= budget
         assert snap.total_mapped == sum(r.mapped for r in snap.records)
         samples += 1
-    out = [results.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    out = hammers.finish()
     assert samples > 10
-    assert 0 < peak.value <= budget, "independent count of what the processes held"
-    for r in out:
-        assert r["ledger_mapped"] == r["own_bytes"] == r["backend_bytes"]
     assert sum(r["refused"] for r in out) > 0, "the budget was actually contended"
-    assert held.value == 0
-    snap = led.snapshot()
-    assert snap.records == () and snap.total_mapped == 0
-    led.close()
-    backend.close()
 
 
 def test_limit_writers_race_allocators_without_corrupting_the_ledger() -> None:
-    device = 1024 * MiB
-    backend = ledger_procs.host_backend(device)
-    led = GpuLedger.open(backend.device_uuid(), device_total=device)
-    led.set_budget(64 * PAGE)
-    ctx = multiprocessing.get_context("spawn")
-    held, peak = ctx.Value("q", 0), ctx.Value("q", 0)
-    results, start, linger = ctx.Queue(), ctx.Event(), ctx.Event()
-    hammers = [
-        ctx.Process(
-            target=ledger_procs.hammer,
-            args=(f"p{i}", device, 3000, 10 + i, held, peak, results, start, linger),
-        )
-        for i in range(2)
-    ]
-    for p in hammers:
-        p.start()
-    while len(led.snapshot().records) < 2:
-        time.sleep(0.01)
+    hammers = _Hammers(2, iterations=3000, seed=10, budget=64 * PAGE)
     sizes = [[(8 + 4 * k + w) * PAGE for k in range(60)] for w in range(2)]
-    writer_results = ctx.Queue()
+    writer_results = hammers.ctx.Queue()
     writers = [
-        ctx.Process(target=ledger_procs.set_limits, args=("p0", s, writer_results, start))
+        hammers.ctx.Process(
+            target=ledger_procs.set_limits, args=("p0", s, writer_results, hammers.start)
+        )
         for s in sizes
     ]
     for p in writers:
         p.start()
-    start.set()
+    hammers.start.set()
     won = []
     for _ in writers:
         won += writer_results.get(timeout=120)["won"]
-    linger.set()
-    hammer_out = [results.get(timeout=120) for _ in hammers]
-    for p in hammers + writers:
-        p.join(60)
-        assert p.exitcode == 0
+    hammers.finish(writers)
     revisions = sorted(rev for rev, _ in won)
     assert revisions == list(range(2, 2 + len(won))), "every revision won exactly once"
     assert len(won) >= 60, "at least one writer's worth of changes landed"
-    for r in hammer_out:
-        assert r["ledger_mapped"] == r["own_bytes"] == r["backend_bytes"]
-    assert peak.value <= 64 * PAGE
-    snap = led.snapshot()
-    assert snap.records == () and snap.total_mapped == 0
-    led.close()
-    backend.close()
 
 
 def test_kvctl_limit_races_allocation() -> None:
     """``kvctl limit`` (the real command) from two processes on one instance while two
     instances allocate."""
-    device = 1024 * MiB
-    backend = ledger_procs.host_backend(device)
-    led = GpuLedger.open(backend.device_uuid(), device_total=device)
-    led.set_budget(64 * PAGE)
-    ctx = multiprocessing.get_context("spawn")
-    held, peak = ctx.Value("q", 0), ctx.Value("q", 0)
-    results, start, linger = ctx.Queue(), ctx.Event(), ctx.Event()
-    hammers = [
-        ctx.Process(
-            target=ledger_procs.hammer,
-            args=(f"p{i}", device, 2000, 20 + i, held, peak, results, start, linger),
-        )
-        for i in range(2)
-    ]
-    for p in hammers:
-        p.start()
-    while len(led.snapshot().records) < 2:
-        time.sleep(0.01)
+    hammers = _Hammers(2, iterations=2000, seed=20, budget=64 * PAGE)
     n_each = 25
-    kv_results = ctx.Queue()
+    kv_results, go = hammers.ctx.Queue(), hammers.start
     writers = [
-        ctx.Process(
+        hammers.ctx.Process(
             target=ledger_procs.kvctl_limits,
-            args=("p0", [f"{(w + 1) * 256 + k}K" for k in range(n_each)], kv_results, start),
+            args=("p0", [f"{256 * (w + 1) + k}K" for k in range(n_each)], kv_results, go),
         )
         for w in range(2)
     ]
     for p in writers:
         p.start()
-    start.set()
+    hammers.start.set()
     codes = [kv_results.get(timeout=120)["codes"] for _ in writers]
-    p0 = led.snapshot().find("p0")
+    assert codes == [[0] * n_each, [0] * n_each]
+    p0 = hammers.led.snapshot().find("p0")  # the hammers are still registered
     assert p0 is not None
     assert p0.limit_revision == 1 + 2 * n_each, "no write lost"
     assert p0.limit in ((256 + n_each - 1) << 10, (512 + n_each - 1) << 10), "a last write won"
-    linger.set()
-    hammer_out = [results.get(timeout=120) for _ in hammers]
-    for p in hammers + writers:
-        p.join(60)
-        assert p.exitcode == 0
-    assert codes == [[0] * n_each, [0] * n_each]
-    for r in hammer_out:
-        assert r["ledger_mapped"] == r["own_bytes"] == r["backend_bytes"]
-    assert led.snapshot().total_mapped == 0
-    led.close()
-    backend.close()
+    hammers.finish(writers)
 
 
 # -- with the real page allocator ---------------------------------------------------------
