@@ -887,10 +887,20 @@ class _RawPageMirror:
         for j in range(slots):
             self._map_zero(self.va + j * page_bytes)
 
+    read_only = True
+    """False once the driver refused read-only access (kvcore's backend then maps the zero
+    page read-write too)."""
+
     def _map_zero(self, va: int) -> None:
         for off in range(0, self.pb, self.gran):
             self.raw.map(va + off, self.gran, self.zero)
-        self.raw.set_access(va, self.pb, read_only=True)
+        if self.read_only:
+            try:
+                self.raw.set_access(va, self.pb, read_only=True)
+                return
+            except RuntimeError:
+                self.read_only = False
+        self.raw.set_access(va, self.pb)
 
     def map_page(self) -> None:
         raw = self.raw
