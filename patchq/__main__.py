@@ -84,13 +84,14 @@ def _run(args: argparse.Namespace, ws: Workspace) -> None:
     elif args.command == "build":
         from patchq.wheel import build
 
-        build(
+        wheel = build(
             ws,
             ws.release(args.engine, args.version),
             python=args.python,
             install_check=not args.no_install_check,
             deps_env=args.deps_env,
         )
+        print(wheel)  # the last stdout line, for scripts
     elif args.command == "rebase":
         from patchq.rebase import rebase
 
