@@ -1127,6 +1127,12 @@ def step_bandwidth(suite: Suite) -> dict[str, Any]:
                 break
         gbps = {n: bytes_per_step / (median(s) * 1e-3) / 1e9 for n, s in samples.items() if s}
         base = gbps.get("plain")
+        ceiling = None if dry else _copy_gbps(plain)
+        if ceiling and base:
+            log(
+                f"   device copy {ceiling:.0f} GB/s (read + write); plain gather {base:.0f} GB/s "
+                f"= {base / ceiling:.0%} of it"
+            )
         for name, value in gbps.items():
             if name == "plain":
                 continue
@@ -1170,10 +1176,22 @@ def step_bandwidth(suite: Suite) -> dict[str, Any]:
         "timing": graph_mode,
         "reader": "triton" if use_triton else "torch reference",
         "gbps": gbps,
+        "copy_gbps_ceiling": ceiling,
         "rel_error": check,
         "variants": variant_setup,
         "decision": decision,
     }
+
+
+def _copy_gbps(src: Any) -> float:
+    """The device's copy bandwidth (bytes read + written per second, GB/s), median of 10:
+    the ceiling the gather kernel is judged against."""
+    import torch
+
+    dst = torch.empty_like(src)
+    timer = _event_timer(lambda: dst.copy_(src))
+    ms = median([timer() for _ in range(10)])
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
 
 
 def decide_layout(gbps: dict[str, float], base: float | None, page_unit: int) -> dict[str, Any]:
