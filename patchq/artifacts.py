@@ -116,8 +116,13 @@ def configured_index_url() -> str:
     url = _pip_setting("index-url")
     if url:
         return url
-    from pip._internal.models.index import PyPI
-
+    try:
+        from pip._internal.models.index import PyPI
+    except ImportError as exc:
+        raise ArtifactError(
+            "no package index configured and pip is not importable here to name its default",
+            hint="set PIP_INDEX_URL to the index to download pinned releases from",
+        ) from exc
     return str(PyPI.simple_url)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from compat.matrix import EngineRelease
 from patchq.console import info
-from patchq.errors import ApplyError, ExportMismatch
+from patchq.errors import ApplyError, ExportMismatch, SeriesError
 from patchq.export import format_patches
 from patchq.fork import materialize
 from patchq.series import check_trailers, read
@@ -69,12 +69,30 @@ def check_release(ws: Workspace, rel: EngineRelease, *, python: str | None = Non
     return True
 
 
+def _refuse_unpinned_series(ws: Workspace) -> None:
+    pinned = {(rel.name, rel.version) for rel in ws.releases()}
+    for series_file in sorted((ws.root / "patches").glob("*/*/series")):
+        engine, version = series_file.parent.parent.name, series_file.parent.name
+        if (engine, version) not in pinned:
+            raise SeriesError(
+                f"{series_file.parent} holds a series for a release compat/matrix.toml does not "
+                "pin, so nothing can check it",
+                engine=engine,
+                version=version,
+                hint="pin the release in compat/matrix.toml (nox -s rebase-<engine> does) or "
+                "delete the directory",
+            )
+
+
 def check_all(
     ws: Workspace, engine: str | None = None, version: str | None = None
 ) -> dict[str, bool]:
     """``check_release`` for every pinned release (or those of ``engine``/``version``);
-    returns ``{"<engine> <version>": checked}``. Stops at the first failing series."""
+    returns ``{"<engine> <version>": checked}``. Stops at the first failing series; without
+    ``engine``, a series directory of a release the matrix does not pin fails too."""
     results = {}
+    if engine is None:
+        _refuse_unpinned_series(ws)
     for rel in ws.releases():
         if engine and rel.name != engine:
             continue

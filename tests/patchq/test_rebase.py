@@ -11,7 +11,7 @@ from compat import matrix
 from patchq import gitcmd
 from patchq.artifacts import sha256_of
 from patchq.check import check_release
-from patchq.errors import RebaseConflict, SeriesError
+from patchq.errors import ForkError, RebaseConflict, SeriesError
 from patchq.export import export
 from patchq.fork import am_in_progress, materialize
 from patchq.rebase import rebase
@@ -85,6 +85,8 @@ def test_conflicting_rebase_reports_per_patch_and_writes_nothing_until_resolved(
     assert ws.matrix_path.read_text() == matrix_before
     fork = ws.root / "forks/toyeng/1.1.0"
     assert am_in_progress(fork)
+    with pytest.raises(ForkError, match="`git am` is in progress"):
+        export(ws, ws.release("toyeng", "1.0.0"), fork=fork)
 
     # Continuing without resolving reports the same conflict again.
     with pytest.raises(RebaseConflict, match=r"toyeng/core\.py"):
@@ -102,3 +104,9 @@ def test_conflicting_rebase_reports_per_patch_and_writes_nothing_until_resolved(
     assert "!" in result.range_diff  # the seam patch changed its context
     rel = matrix.find("toyeng", "1.1.0", ws.matrix_path)
     assert check_release(ws, rel) is True
+
+
+def test_continue_without_a_rebase_in_progress_says_how_to_start_one(ws: Workspace) -> None:
+    with pytest.raises(ForkError, match="no rebase to continue") as err:
+        rebase(ws, "toyeng", "1.0.1", resume=True)
+    assert err.value.hint == "start one: nox -s rebase-toyeng -- 1.0.1"

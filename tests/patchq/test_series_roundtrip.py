@@ -13,7 +13,7 @@ from patchq.check import check_all, check_release
 from patchq.errors import ApplyError, ExportMismatch, ForkError, SeriesError
 from patchq.export import export
 from patchq.fork import UPSTREAM_REF, base_ref, materialize
-from patchq.series import read
+from patchq.series import missing_trailers, read
 from patchq.workspace import Workspace
 from tests.patchq.conftest import PATCHED_LINE, commit_patch, matrix_entry, release_sources
 
@@ -191,3 +191,42 @@ def test_check_refuses_a_patch_whose_context_was_edited_by_hand(ws: Workspace) -
         check_release(ws, rel)
     assert err.value.patch == path.name
     assert "python -m patchq materialize toyeng 1.0.0 --force" in err.value.hint
+
+
+@pytest.mark.parametrize(
+    ("body", "missing"),
+    [
+        ("Why: seam\nUpstream: https://github.com/o/r/pull/1\nDrop-when: merged\n", []),
+        ("Why: seam\nUpstream: not-suitable: kvcore only\nDrop-when: never\n", []),
+        ("Upstream: not-suitable: x\nDrop-when: y\n", ["Why:"]),
+        ("Why:\nUpstream: not-suitable: x\nDrop-when: y\n", ["Why:"]),
+        ("Why: a\nUpstream: maybe later\nDrop-when: y\n", ["Upstream: ('maybe later' is"]),
+        ("Why: a\nUpstream: not-suitable:\nDrop-when: y\n", ["Upstream: ('not-suitable:' is"]),
+        ("Why: a\n", ["Upstream:", "Drop-when:"]),
+    ],
+)
+def test_trailer_rules(body: str, missing: list[str]) -> None:
+    patch = (
+        "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
+        "From: a <a@b>\nSubject: [PATCH] x\n\n" + body + "---\n"
+        "diff --git a/x b/x\n+Why: in the diff does not count\n"
+    )
+    found = missing_trailers(patch)
+    assert len(found) == len(missing)
+    for got, want in zip(found, missing, strict=True):
+        assert got.startswith(want)
+
+
+def test_check_refuses_a_series_of_a_release_the_matrix_does_not_pin(ws: Workspace) -> None:
+    stray = ws.root / "patches/toyeng/9.9.9"
+    stray.mkdir(parents=True)
+    (stray / "series").write_text("# kvcore-build: 1\n")
+    with pytest.raises(SeriesError, match="does not pin") as err:
+        check_all(ws)
+    assert err.value.version == "9.9.9"
+
+
+def test_export_needs_a_fork(ws: Workspace) -> None:
+    with pytest.raises(ForkError, match="no fork at") as err:
+        export(ws, ws.release("toyeng", "1.0.0"))
+    assert err.value.hint == "python -m patchq materialize toyeng 1.0.0"
