@@ -1211,7 +1211,7 @@ def decide_layout(gbps: dict[str, float], base: float | None, page_unit: int) ->
                 "layout": layout,
                 "ratios": ratios,
                 "met": True,
-                "summary": f"default layout on CUDA: {layout} ({ratios[layout]:.3f}x plain >= "
+                "summary": f"default layout: {layout} ({ratios[layout]:.3f}x plain >= "
                 f"0.97; ratios {_ratios_text(ratios)})",
             }
     if not ratios:
