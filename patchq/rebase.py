@@ -322,14 +322,14 @@ def _resume(ws: Workspace, engine: str, target: str) -> Rebased:
         if am_in_progress(fork):
             output = (proc.stdout + proc.stderr).decode(errors="replace")
             raise _conflict(ws, fork, state, stop_state(fork, output))
-    return _finish(ws, fork, state, _target_release(ws, state))
+    return _finish(ws, fork, state, _target_release(ws, fork, state))
 
 
-def _target_release(ws: Workspace, state: dict[str, str]) -> EngineRelease:
+def _target_release(ws: Workspace, fork: Path, state: dict[str, str]) -> EngineRelease:
     engine, target, block = state["engine"], state["target"], state["matrix_block"]
     if not block:
         return ws.release(engine, target)
-    scratch = ws.root / "forks" / engine / f".{target}.matrix.toml"
+    scratch = fork / ".git" / "kvcore-target.toml"
     scratch.write_text(block)
     try:
         return compat_matrix.find(engine, target, scratch)
