@@ -39,6 +39,13 @@ unexpected exception; a commit not completed everywhere -- fails the channel: it
 every connection and raises ``PoolFailed``, and so does every later call (fail-stop;
 restart the engine).
 
+Device memory held (``held_bytes``, what the page allocator charges its memory gate): the
+pages mapped, prepared or quarantined here, at the largest worker's ``page_bytes`` (each
+worker is on its own GPU; the gate stands for the fullest). Workers keep no handle pool
+(``WorkerListener`` releases its mapper's pool after every request that can fill it), so
+``pooled_pages`` is 0 and ``trim_pool`` has nothing to do. A quarantined page counts in full
+even where some workers did release it.
+
 Thread safety: calls are serialised by a lock, so the page allocator's refill thread and
 the scheduling thread may both call; a transaction holds the lock for one round trip to
 the slowest worker. Keep the scheduling thread off refills (the page allocator does).
@@ -209,6 +216,7 @@ class ChannelCoordinator:
             )
         self._num_pages = sizes.pop()
         self._state = [PageState.UNMAPPED] * self._num_pages
+        self._held_pages = 0  # pages not UNMAPPED: they hold memory on the workers
         self._prepared_txn: dict[int, int] = {}
         for worker in self._workers:
             worker.sock.setblocking(True)
@@ -225,6 +233,20 @@ class ChannelCoordinator:
         """The largest per-worker ``page_bytes`` (PP stages may differ; see
         ``worker_page_bytes``)."""
         return max(self.worker_page_bytes)
+
+    @property
+    def held_bytes(self) -> int:
+        """Device bytes the fullest worker holds: every page not unmapped (module
+        docstring)."""
+        return self._held_pages * self.page_bytes
+
+    @property
+    def pooled_pages(self) -> int:
+        """Always 0: workers keep no handle pool."""
+        return 0
+
+    def trim_pool(self) -> None:
+        """Nothing to release: workers keep no handle pool."""
 
     @property
     def worker_page_bytes(self) -> tuple[int, ...]:
@@ -377,8 +399,12 @@ class ChannelCoordinator:
         until ``timeout``."""
         result = _Round()
         pending: dict[int, list[tuple[Op, int]]] = {}
+        frames: dict[tuple[Request, ...], bytes] = {}  # most ranks get the same requests
         for rank, reqs in requests.items():
-            frame = b"".join(encode(r) for r in reqs)
+            batch = tuple(reqs)
+            frame = frames.get(batch)
+            if frame is None:
+                frame = frames[batch] = b"".join(encode(r) for r in reqs)
             if len(frame) > len(reqs) * self.max_bytes:
                 raise ChannelError(
                     f"a {reqs[0].op.name} request of {len(reqs[0].pages)} pages exceeds the "
@@ -614,7 +640,9 @@ class ChannelCoordinator:
             )
 
     def _set(self, pages: Iterable[int], state: PageState) -> None:
+        held = state is not PageState.UNMAPPED
         for page in pages:
+            self._held_pages += held - (self._state[page] is not PageState.UNMAPPED)
             self._state[page] = state
 
     def __repr__(self) -> str:

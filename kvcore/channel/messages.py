@@ -4,12 +4,21 @@ Every message travels as one *frame*::
 
     magic b"KVCH" | version u16 | kind u8 | reserved u8 (0) | body length u32 | body
 
-(network byte order), where the body is a UTF-8 JSON object whose keys and value types are
-fixed by ``kind``. Nothing is unpickled and nothing is evaluated: a frame is accepted only
-if every field has exactly the expected name and type. A receiver rejects
+(network byte order). Bodies by kind:
 
-* a wrong magic, unknown kind, non-zero reserved byte, undecodable or ill-typed body with
-  ``MalformedMessage``;
+``Request`` (binary, the hot path)
+    ``op u8 | txn u64 | count u32 | count x page id u32``
+``Reply`` (binary, the hot path)
+    ``op u8 | txn u64 | has_error u8`` then, if ``has_error`` is 1, a UTF-8 JSON object
+    with exactly the ``RemoteError`` fields
+``Hello`` / ``Welcome`` (the handshake)
+    a UTF-8 JSON object with exactly the dataclass's fields
+
+Nothing is unpickled and nothing is evaluated: a frame is accepted only if its body has
+exactly the expected length, field names and types. A receiver rejects
+
+* a wrong magic, unknown kind, non-zero reserved byte, a body of the wrong length, an
+  unknown operation, undecodable or ill-typed JSON with ``MalformedMessage``;
 * a frame announcing more than ``max_bytes`` (default ``MAX_FRAME_BYTES``) with
   ``OversizedMessage``, before reading the body;
 * another ``SCHEMA_VERSION`` with ``VersionMismatch``.
@@ -39,16 +48,19 @@ from typing import Any
 
 from kvcore.errors import MalformedMessage, OversizedMessage, VersionMismatch
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Bumped on any change of a message's fields; peers of another version are refused."""
 
 MAGIC = b"KVCH"
 MAX_FRAME_BYTES = 1 << 20
-"""Default cap on one frame's body (about 100k page ids per request)."""
+"""Default cap on one frame's body (about 260k page ids per request)."""
 
 _HEADER = struct.Struct("!4sHBBI")
 HEADER_BYTES = _HEADER.size
+_REQUEST = struct.Struct("!BQI")
+_REPLY = struct.Struct("!BQB")
 _MAX_ID = (1 << 63) - 1
+_MAX_PAGE = (1 << 32) - 1
 
 
 class Kind(enum.IntEnum):
@@ -145,19 +157,25 @@ Message = Hello | Welcome | Request | Reply
 
 def encode(message: Message) -> bytes:
     """The frame carrying ``message`` (header and body)."""
-    kind, body = _to_body(message)
-    raw = json.dumps(body, separators=(",", ":")).encode()
+    kind, raw = _to_body(message)
     return _HEADER.pack(MAGIC, SCHEMA_VERSION, kind, 0, len(raw)) + raw
 
 
-def _to_body(message: Message) -> tuple[Kind, dict[str, Any]]:
+def _to_body(message: Message) -> tuple[Kind, bytes]:
     if isinstance(message, Request):
-        return Kind.REQUEST, {"op": int(message.op), "txn": message.txn, "pages": message.pages}
+        n = len(message.pages)
+        if n and not 0 <= min(message.pages) <= max(message.pages) <= _MAX_PAGE:
+            raise MalformedMessage(f"page ids of a Request must fit 32 bits: {message.pages}")
+        return Kind.REQUEST, _REQUEST.pack(message.op, message.txn, n) + struct.pack(
+            f"!{n}I", *message.pages
+        )
     if isinstance(message, Reply):
         err = message.error
-        body: dict[str, Any] = {"op": int(message.op), "txn": message.txn, "error": None}
-        if err is not None:
-            body["error"] = {
+        head = _REPLY.pack(message.op, message.txn, err is not None)
+        if err is None:
+            return Kind.REPLY, head
+        return Kind.REPLY, head + _json(
+            {
                 "type": err.type,
                 "message": err.message,
                 "hint": err.hint,
@@ -165,19 +183,23 @@ def _to_body(message: Message) -> tuple[Kind, dict[str, Any]]:
                 "call": err.call,
                 "code": err.code,
             }
-        return Kind.REPLY, body
+        )
     if isinstance(message, Hello):
-        return Kind.HELLO, {
+        return Kind.HELLO, _json(
+            {"rank": message.rank, "world_size": message.world_size, "instance": message.instance}
+        )
+    return Kind.WELCOME, _json(
+        {
             "rank": message.rank,
-            "world_size": message.world_size,
-            "instance": message.instance,
+            "pid": message.pid,
+            "num_pages": message.num_pages,
+            "page_bytes": message.page_bytes,
         }
-    return Kind.WELCOME, {
-        "rank": message.rank,
-        "pid": message.pid,
-        "num_pages": message.num_pages,
-        "page_bytes": message.page_bytes,
-    }
+    )
+
+
+def _json(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -212,19 +234,13 @@ def parse_header(header: bytes, *, max_bytes: int = MAX_FRAME_BYTES) -> tuple[Ki
 
 
 def decode_body(kind: Kind, body: bytes) -> Message:
-    """Validate and build the message of ``kind`` from its JSON ``body``. Raises
+    """Validate and build the message of ``kind`` from its ``body``. Raises
     ``MalformedMessage``."""
-    try:
-        obj = json.loads(body.decode())
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise MalformedMessage(f"channel {kind.name} body is not UTF-8 JSON: {exc}") from None
-    fields = _Fields(kind.name, obj)
     if kind is Kind.REQUEST:
-        fields.expect("op", "txn", "pages")
-        return Request(fields.op(), fields.integer("txn"), fields.ids("pages"))
+        return _decode_request(body)
     if kind is Kind.REPLY:
-        fields.expect("op", "txn", "error")
-        return Reply(fields.op(), fields.integer("txn"), fields.error())
+        return _decode_reply(body)
+    fields = _Fields(kind.name, _load_json(kind.name, body))
     if kind is Kind.HELLO:
         fields.expect("rank", "world_size", "instance")
         return Hello(fields.integer("rank"), fields.integer("world_size"), fields.text("instance"))
@@ -235,6 +251,55 @@ def decode_body(kind: Kind, body: bytes) -> Message:
         fields.integer("num_pages"),
         fields.integer("page_bytes"),
     )
+
+
+def _decode_request(body: bytes) -> Request:
+    if len(body) < _REQUEST.size:
+        raise MalformedMessage(f"channel REQUEST body of {len(body)} bytes is too short")
+    op, txn, n = _REQUEST.unpack_from(body)
+    if len(body) != _REQUEST.size + 4 * n:
+        raise MalformedMessage(
+            f"channel REQUEST announces {n} pages in a {len(body)}-byte body",
+        )
+    return Request(_op(op), txn, struct.unpack_from(f"!{n}I", body, _REQUEST.size))
+
+
+def _decode_reply(body: bytes) -> Reply:
+    if len(body) < _REPLY.size:
+        raise MalformedMessage(f"channel REPLY body of {len(body)} bytes is too short")
+    op, txn, has_error = _REPLY.unpack_from(body)
+    rest = body[_REPLY.size :]
+    if has_error == 0 and not rest:
+        return Reply(_op(op), txn)
+    if has_error != 1 or not rest:
+        raise MalformedMessage(
+            f"channel REPLY has error flag {has_error} and {len(rest)} trailing bytes"
+        )
+    inner = _Fields("REPLY.error", _load_json("REPLY.error", rest))
+    inner.expect("type", "message", "hint", "page_ids", "call", "code")
+    error = RemoteError(
+        type=inner.text("type"),
+        message=inner.text("message"),
+        hint=inner.text("hint"),
+        page_ids=inner.ids("page_ids"),
+        call=inner.text("call"),
+        code=inner.text("code"),
+    )
+    return Reply(_op(op), txn, error)
+
+
+def _op(raw: int) -> Op:
+    try:
+        return Op(raw)
+    except ValueError:
+        raise MalformedMessage(f"channel message names unknown operation {raw}") from None
+
+
+def _load_json(what: str, body: bytes) -> object:
+    try:
+        return json.loads(body.decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise MalformedMessage(f"channel {what} body is not UTF-8 JSON: {exc}") from None
 
 
 class _Fields:
@@ -266,28 +331,6 @@ class _Fields:
         if not isinstance(value, list):
             raise MalformedMessage(f"channel {self.what}.{name} must be a list of ids")
         return tuple(_as_id(v, f"{self.what}.{name}[]") for v in value)
-
-    def op(self) -> Op:
-        raw = self.integer("op")
-        try:
-            return Op(raw)
-        except ValueError:
-            raise MalformedMessage(f"channel {self.what}.op {raw} is not an operation") from None
-
-    def error(self) -> RemoteError | None:
-        value = self.obj["error"]
-        if value is None:
-            return None
-        inner = _Fields(f"{self.what}.error", value)
-        inner.expect("type", "message", "hint", "page_ids", "call", "code")
-        return RemoteError(
-            type=inner.text("type"),
-            message=inner.text("message"),
-            hint=inner.text("hint"),
-            page_ids=inner.ids("page_ids"),
-            call=inner.text("call"),
-            code=inner.text("code"),
-        )
 
 
 def _as_id(value: object, where: str) -> int:

@@ -21,6 +21,12 @@ for the instance's life: requests are applied in order, one at a time, each answ
 pages are unmapped, so a failing commit (a handle release, which ``PageMapper`` retries
 idempotently later) is logged, not reported.
 
+The mapper keeps no pooled handles between requests: after each ``MAP``, ``UNDO_MAP`` and
+``COMMIT`` the listener calls its ``trim_pool()``, because the coordinator accounts the
+device memory a worker holds from page states alone (``ChannelCoordinator.held_bytes``). A
+``COMMIT`` whose release fails there is answered with the error, as a mapper without a
+pool would answer it (the pages stay prepared; the retry releases again).
+
 A ``CLOSE`` request closes the mapper (every page unmapped and released), answers, and
 stops the listener. When the session ends without ``CLOSE`` (the engine process died or
 failed its pool), the listener keeps the mapper as it is and goes back to accepting: the
@@ -233,6 +239,15 @@ class WorkerListener:
     # ------------------------------------------------------------------ transitions
 
     def _apply(self, request: Request) -> Reply:
+        reply = self._apply_request(request)
+        if request.op in (Op.MAP, Op.UNDO_MAP):  # a rolled-back map pools its handles
+            try:
+                self.mapper.trim_pool()
+            except KvcoreError as exc:  # still held; the mapper retries the release later
+                log.warning("rank %d: releasing pooled handles failed: %s", self.rank, exc)
+        return reply
+
+    def _apply_request(self, request: Request) -> Reply:
         if request.op is Op.CLOSE:
             try:
                 self.mapper.close()
@@ -269,6 +284,7 @@ class WorkerListener:
             mapper.prepare_unmap(pages)
         elif op is Op.COMMIT:
             mapper.commit_unmap(pages)
+            mapper.trim_pool()  # keep no pool (module docstring)
         elif op is Op.ABORT:
             mapper.abort_unmap(pages)
 

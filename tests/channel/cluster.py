@@ -89,6 +89,17 @@ class _Hooked:
     def abort_unmap(self, pages: Sequence[int]) -> None:
         self._call("abort_unmap", pages)
 
+    @property
+    def held_bytes(self) -> int:
+        return int(self.inner.held_bytes)
+
+    @property
+    def pooled_pages(self) -> int:
+        return int(self.inner.pooled_pages)
+
+    def trim_pool(self) -> None:
+        self.inner.trim_pool()
+
     def close(self) -> None:
         self.inner.close()
 
@@ -154,6 +165,8 @@ def worker_main(channel_dir: str, rank: int, layers: int, control: Connection) -
         elif cmd == "trim":
             local.trim_pool(0)
             control.send(None)
+        elif cmd == "held":  # device bytes of the mapper's handles, from the backend's books
+            control.send((len(backend.live_handles) - 1) * geometry.page_bytes)
         elif cmd == "listener":
             control.send((list(listener.rejected), listener.sessions, listener.closed))
         elif cmd == "stop":
@@ -228,6 +241,10 @@ class Cluster:
 
     def trim(self, rank: int) -> None:
         self._ask(rank, "trim")
+
+    def held(self, rank: int) -> int:
+        """Device bytes the rank's mapper holds (every live handle but the zero page)."""
+        return int(self._ask(rank, "held"))
 
     def listener(self, rank: int) -> tuple[list[str], int, bool]:
         rejected, sessions, closed = self._ask(rank, "listener")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcore.accounting import UnlimitedGate
 from kvcore.channel import PageState
 from kvcore.channel.messages import (
     MAGIC,
@@ -158,6 +159,36 @@ def test_page_allocator_drives_every_worker(tp2: Cluster) -> None:
     finally:
         allocator.close()
     assert assert_consistent(tp2) == ["unbacked"] * NUM_PAGES
+
+
+def test_the_gate_is_charged_what_every_worker_holds(tp2: Cluster) -> None:
+    """Workers keep no pooled handles the coordinator cannot see: the gate's charge is the
+    device memory each worker holds, through maps, unmaps and a rolled-back map."""
+    gate = UnlimitedGate()
+    allocator = PageAllocator(tp2.coordinator, gate, reserve_min=0, reserve_max=1)
+
+    def check() -> None:
+        assert allocator.flush()
+        assert [tp2.held(r) for r in (0, 1)] == [gate.held] * 2
+        assert gate.held == tp2.coordinator.held_bytes == allocator.stats().charged_bytes
+
+    try:
+        pages = allocator.acquire(4)
+        assert pages is not None and gate.held == 4 * tp2.coordinator.page_bytes
+        check()
+        allocator.release(pages)  # one stays in the reserve, three are unmapped
+        check()
+        tp2.fail(1, "map", nth=2)  # rank 1 fails its second page: rolled back everywhere
+        assert allocator.acquire(3) is None
+        check()
+        again = allocator.acquire(3)
+        assert again is not None
+        check()
+        allocator.release(again)
+        check()
+    finally:
+        allocator.close()
+    assert gate.held == 0 and [tp2.held(r) for r in (0, 1)] == [0, 0]
 
 
 def test_worker_error_on_map_is_rolled_back_everywhere(tp2: Cluster) -> None:

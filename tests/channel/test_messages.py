@@ -72,26 +72,46 @@ def test_reader_reassembles_frames_split_anywhere() -> None:
     assert not reader.mid_frame
 
 
+def _request(op: int, txn: int, count: int, *pages: int) -> bytes:
+    return struct.pack("!BQI", op, txn, count) + struct.pack(f"!{len(pages)}I", *pages)
+
+
+def _reply(op: int, txn: int, flag: int, rest: bytes = b"") -> bytes:
+    return struct.pack("!BQB", op, txn, flag) + rest
+
+
 @pytest.mark.parametrize(
     ("data", "error", "text"),
     [
-        (frame(3, {}, magic=b"HTTP"), MalformedMessage, "magic"),
-        (frame(3, {}, version=SCHEMA_VERSION + 1), VersionMismatch, "schema version"),
-        (frame(99, {}), MalformedMessage, "unknown kind"),
-        (frame(3, b"\xff\xfe not json"), MalformedMessage, "not UTF-8 JSON"),
-        (frame(3, [1, 2]), MalformedMessage, "not an object"),
-        (frame(3, {"op": 1, "txn": 1}), MalformedMessage, "expected"),
-        (frame(3, {"op": 1, "txn": 1, "pages": [1], "x": 0}), MalformedMessage, "expected"),
-        (frame(3, {"op": 42, "txn": 1, "pages": []}), MalformedMessage, "not an operation"),
-        (frame(3, {"op": 1, "txn": -1, "pages": []}), MalformedMessage, "non-negative"),
-        (frame(3, {"op": 1, "txn": True, "pages": []}), MalformedMessage, "non-negative"),
-        (frame(3, {"op": 1, "txn": 1, "pages": ["0"]}), MalformedMessage, "non-negative"),
-        (frame(3, {"op": 1, "txn": 1, "pages": 5}), MalformedMessage, "list of ids"),
-        (frame(1, {"rank": 0, "world_size": 1, "instance": 5}), MalformedMessage, "string"),
+        (frame(3, b"", magic=b"HTTP"), MalformedMessage, "magic"),
+        (frame(3, b"", version=SCHEMA_VERSION + 1), VersionMismatch, "schema version"),
+        (frame(99, b""), MalformedMessage, "unknown kind"),
+        (frame(3, b"\x01\x00"), MalformedMessage, "too short"),
+        (frame(3, _request(1, 1, 5, 1, 2)), MalformedMessage, "announces 5 pages"),
+        (frame(3, _request(1, 1, 1, 1) + b"x"), MalformedMessage, "announces 1 pages"),
+        (frame(3, _request(42, 1, 0)), MalformedMessage, "unknown operation 42"),
+        (frame(4, b"\x01"), MalformedMessage, "too short"),
+        (frame(4, _reply(1, 1, 0, b"{}")), MalformedMessage, "trailing bytes"),
+        (frame(4, _reply(1, 1, 2)), MalformedMessage, "error flag 2"),
+        (frame(4, _reply(1, 1, 1)), MalformedMessage, "error flag 1"),
+        (frame(4, _reply(1, 1, 1, b"\xff\xfe")), MalformedMessage, "not UTF-8 JSON"),
+        (frame(4, _reply(1, 1, 1, b'{"type": "X"}')), MalformedMessage, "expected"),
+        (frame(4, _reply(9, 1, 0)), MalformedMessage, "unknown operation 9"),
+        (frame(1, b"not json"), MalformedMessage, "not UTF-8 JSON"),
+        (frame(1, [1, 2]), MalformedMessage, "not an object"),
+        (frame(1, {"rank": 0, "world_size": 1}), MalformedMessage, "expected"),
         (
-            frame(4, {"op": 1, "txn": 1, "error": {"type": "X"}}),
+            frame(1, {"rank": 0, "world_size": 1, "instance": "x", "extra": 1}),
             MalformedMessage,
             "expected",
+        ),
+        (frame(1, {"rank": -1, "world_size": 1, "instance": "x"}), MalformedMessage, "non-neg"),
+        (frame(1, {"rank": True, "world_size": 1, "instance": "x"}), MalformedMessage, "non-neg"),
+        (frame(1, {"rank": 0, "world_size": 1, "instance": 5}), MalformedMessage, "string"),
+        (
+            frame(2, {"rank": 0, "pid": 1, "num_pages": "8", "page_bytes": 1}),
+            MalformedMessage,
+            "non-negative",
         ),
     ],
 )
@@ -113,6 +133,11 @@ def test_oversized_frame_is_refused_from_its_header_alone() -> None:
     with pytest.raises(OversizedMessage, match="over the 4096-byte cap"):
         reader.pop()
     assert len(header) == HEADER_BYTES
+
+
+def test_page_ids_beyond_32_bits_are_not_encoded() -> None:
+    with pytest.raises(MalformedMessage, match="32 bits"):
+        encode(Request(Op.MAP, 1, (1 << 32,)))
 
 
 def test_reserved_byte_must_be_zero() -> None:
