@@ -88,10 +88,12 @@ def read(directory: Path, *, engine: str = "", version: str = "") -> Series:
 
 
 def message_of(patch_text: str) -> str:
-    """The commit message of a format-patch file: the Subject plus the body up to ``---``."""
+    """The commit message of a format-patch file: the Subject plus the body (up to the
+    ``---`` line or the first ``diff --git``)."""
     head, _, rest = patch_text.partition("\n\n")
     subject = next((ln for ln in head.splitlines() if ln.startswith("Subject:")), "")
-    body = rest.split("\n---\n", 1)[0]
+    # The message ends at the "---" line, or (format-patch --no-stat) at the first diff.
+    body = re.split(r"\n---\n|\ndiff --git ", "\n" + rest, maxsplit=1)[0][1:]
     return subject + "\n\n" + body
 
 
