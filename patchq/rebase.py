@@ -266,12 +266,12 @@ def rebase(
             "with --force",
             **ctx,
         )
-    if fork.exists():
-        shutil.rmtree(fork)
     series = read(ws.series_dir(src), engine=engine, version=src.version)
     python = running_python()
     src_wheel = ws.cache.fetch(src, "wheel", python)
     tgt_wheel = ws.cache.fetch(tgt, "wheel", python)
+    if fork.exists():
+        shutil.rmtree(fork)
     init_repo(fork)
     src_base = import_base(fork, src, src_wheel)
     gitcmd.git(fork, "checkout", "-q", "-f", "-B", f"{BRANCH}-{src.version}", src_base)
