@@ -80,11 +80,19 @@ def _source_release(ws: Workspace, engine: str, target: str, source: str | None)
     return max(with_series, key=lambda rel: Version(rel.version))
 
 
-def _wheel_key(filename: str) -> tuple[frozenset[tuple[str, str]], str]:
+def _platform_kind(platform: str) -> str:
+    """``manylinux_2_34_x86_64`` -> ``manylinux:x86_64`` (family and arch, no glibc/OS
+    version), so a new release built against another glibc still matches."""
+    family, *rest = platform.split("_")
+    while rest and rest[0].isdigit():
+        rest.pop(0)
+    return f"{family.rstrip('0123456789')}:{'_'.join(rest)}"
+
+
+def _wheel_key(filename: str) -> tuple[frozenset[tuple[str, str]], frozenset[str]]:
     _, _, _, tags = parse_wheel_filename(filename)
-    arch = {t.platform.split("_", 1)[0] + ":" + t.platform.rsplit("_", 1)[-1] for t in tags}
     pairs = frozenset((t.interpreter, t.abi) for t in tags)
-    return pairs, ",".join(sorted(arch))
+    return pairs, frozenset(_platform_kind(t.platform) for t in tags)
 
 
 def _pick(art: Artifact, files: list[RemoteFile], engine: str, target: str) -> Artifact:

@@ -9,12 +9,12 @@ import pytest
 
 from compat import matrix
 from patchq import gitcmd
-from patchq.artifacts import sha256_of
+from patchq.artifacts import ArtifactCache, DirectorySource, sha256_of
 from patchq.check import check_release
-from patchq.errors import ForkError, RebaseConflict, SeriesError
+from patchq.errors import ArtifactError, ForkError, RebaseConflict, SeriesError
 from patchq.export import export
 from patchq.fork import am_in_progress, materialize
-from patchq.rebase import rebase
+from patchq.rebase import new_release, rebase
 from patchq.series import read
 from patchq.workspace import Workspace
 from tests.patchq.conftest import PATCHED_LINE, commit_patch
@@ -110,3 +110,28 @@ def test_continue_without_a_rebase_in_progress_says_how_to_start_one(ws: Workspa
     with pytest.raises(ForkError, match="no rebase to continue") as err:
         rebase(ws, "toyeng", "1.0.1", resume=True)
     assert err.value.hint == "start one: nox -s rebase-toyeng -- 1.0.1"
+
+
+def test_a_new_release_pins_the_file_with_the_same_tags_and_the_published_hash(
+    ws: Workspace, tmp_path: Path
+) -> None:
+    index = tmp_path / "idx"
+    index.mkdir()
+    names = [
+        "toyeng-2.0.0-cp38-abi3-manylinux_2_31_x86_64.whl",  # newer glibc, same kind: this one
+        "toyeng-2.0.0-cp38-abi3-manylinux_2_31_aarch64.whl",
+        "toyeng-2.0.0-cp312-cp312-manylinux_2_31_x86_64.whl",
+        "toyeng-2.0.0.tar.gz",
+        "toyeng-2.0.1-cp38-abi3-manylinux_2_31_x86_64.whl",  # another version
+    ]
+    for name in names:
+        (index / name).write_bytes(name.encode())
+    ws = Workspace(ws.root, ws.matrix_path, ArtifactCache(tmp_path / "c", DirectorySource(index)))
+    src = ws.release("toyeng", "1.0.0")
+    new = new_release(ws, src, "2.0.0")
+    art = new.artifact("wheel", "3.11")
+    assert art.filename == names[0] and art.sha256 == sha256_of(index / names[0])
+    assert (new.short, new.python) == ("2.0", src.python)
+    (index / "toyeng-2.0.0-cp38-abi3-manylinux_2_35_x86_64.whl").write_bytes(b"twin")
+    with pytest.raises(ArtifactError, match="cannot pick the wheel"):
+        new_release(ws, src, "2.0.0")
