@@ -100,10 +100,15 @@ def import_base(repo: Path, rel: EngineRelease, wheel: Path) -> str:
         try:
             for chunk in _fast_import_stream(ref, message, package_sources(wheel)):
                 proc.stdin.write(chunk)
-        finally:
             proc.stdin.close()
-            output = proc.stdout.read().decode(errors="replace")
+        except BrokenPipeError:
+            pass  # fast-import died: its output below says why
+        except BaseException:
+            proc.kill()
             proc.wait()
+            raise
+        output = proc.stdout.read().decode(errors="replace")
+        proc.wait()
         if proc.returncode != 0:
             raise GitError(
                 f"git fast-import failed: {output.strip()}",
@@ -136,29 +141,30 @@ def am_in_progress(repo: Path) -> bool:
 
 @dataclass(frozen=True)
 class Stop:
-    """Where ``git am`` stopped: the 1-based index in the applied list, and per file the line
-    numbers of its conflict markers (empty when the file could not be merged at all)."""
+    """Where ``git am`` stopped: the 1-based index of the patch in the list given to ``am``,
+    per file the line numbers of its conflict markers (empty when the file could not be merged
+    at all, e.g. deleted upstream), and ``am``'s output."""
 
     index: int
     files: dict[str, list[int]]
     output: str
 
 
-def stop_state(repo: Path, output: str, first_index: int = 1) -> Stop:
-    """Describe the stopped ``git am`` in ``repo``; ``first_index`` is the series position of
-    the first patch given to that ``am`` run."""
+def stop_state(repo: Path, output: str) -> Stop:
+    """Describe the stopped ``git am`` in ``repo`` (``output``: what ``am`` printed)."""
     next_file = repo / ".git" / "rebase-apply" / "next"
     index = int(next_file.read_text()) if next_file.exists() else 1
     unmerged = gitcmd.out(repo, "diff", "--name-only", "--diff-filter=U").splitlines()
     files: dict[str, list[int]] = {}
     for name in unmerged:
-        text = (repo / name).read_text(errors="replace").splitlines()
+        path = repo / name
+        text = path.read_text(errors="replace").splitlines() if path.is_file() else []
         files[name] = [n for n, line in enumerate(text, 1) if line.startswith("<<<<<<<")]
     for line in output.splitlines():
         # git apply's own diagnostics for files no merge could be attempted on
         if match := _APPLY_ERROR.match(line):
             files.setdefault(match.group(1), [])
-    return Stop(first_index + index - 1, files, output)
+    return Stop(index, files, output)
 
 
 def apply_series(
@@ -167,7 +173,6 @@ def apply_series(
     *,
     engine: str,
     version: str,
-    first_index: int = 1,
 ) -> Stop | None:
     """Apply ``patches`` in order with one ``git am --3way`` run, one commit each. Returns
     ``None`` when all applied, else the ``Stop`` where ``am`` halted (the repository stays in
@@ -188,7 +193,7 @@ def apply_series(
                 engine=engine,
                 version=version,
             )
-        return stop_state(repo, output, first_index)
+        return stop_state(repo, output)
     return None
 
 

@@ -6,7 +6,9 @@ whose tag differs from the filename's platform tag as vLLM's does). Releases:
 
 * 1.0.0: pinned in the test matrix; the series is written against it;
 * 1.0.1: unrelated upstream edits only (a patch-free rebase);
-* 1.1.0: rewrites the lines ``PATCHED_LINE`` patches (a rebase that conflicts).
+* 1.1.0: rewrites the lines ``PATCHED_LINE`` patches (a rebase that conflicts);
+* 2.0.0: moves ``toyeng/core.py`` to ``toyeng/pool.py`` unchanged (the patch must follow);
+* 3.0.0: drops ``toyeng/core.py`` (the patched file is gone).
 
 The "index" is a directory served by ``DirectorySource``; the cache is per test.
 """
@@ -57,6 +59,14 @@ def release_sources(version: str) -> dict[str, str]:
         core = core.replace(
             PATCHED_LINE, "        taken = self.free[:n]\n        del self.free[:n]\n"
         )
+    if version in ("2.0.0", "3.0.0"):
+        moved = {"toyeng/pool.py": core} if version == "2.0.0" else {}
+        return {
+            "toyeng/__init__.py": f'__version__ = "{version}"\n',
+            **moved,
+            "toyeng/util.py": util,
+            "toyeng/config/defaults.json": '{"block_size": 16}\n',
+        }
     return {
         "toyeng/__init__.py": f'__version__ = "{version}"\n',
         "toyeng/core.py": core,
@@ -121,7 +131,7 @@ host = {{ status = "tested-cpu", note = "toy" }}
 def index_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The synthetic index: the three toyeng releases as wheels (built once)."""
     directory = tmp_path_factory.mktemp("index")
-    for version in ("1.0.0", "1.0.1", "1.1.0"):
+    for version in ("1.0.0", "1.0.1", "1.1.0", "2.0.0", "3.0.0"):
         build_release_wheel(directory, version)
     return directory
 

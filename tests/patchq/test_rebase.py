@@ -135,3 +135,23 @@ def test_a_new_release_pins_the_file_with_the_same_tags_and_the_published_hash(
     (index / "toyeng-2.0.0-cp38-abi3-manylinux_2_35_x86_64.whl").write_bytes(b"twin")
     with pytest.raises(ArtifactError, match="cannot pick the wheel"):
         new_release(ws, src, "2.0.0")
+
+
+def test_a_patch_follows_its_file_when_upstream_moves_it(ws: Workspace) -> None:
+    _series_on_100(ws)
+    result = rebase(ws, "toyeng", "2.0.0")
+    patch = (result.series_dir / PATCHES[0]).read_text()
+    assert "diff --git a/toyeng/pool.py b/toyeng/pool.py" in patch
+    assert "- ## toyeng/core.py ##" in result.range_diff  # the review artifact shows the move
+    assert "+ ## toyeng/pool.py ##" in result.range_diff
+
+
+def test_a_patched_file_gone_upstream_is_reported_as_unmergeable(ws: Workspace) -> None:
+    _series_on_100(ws)
+    with pytest.raises(RebaseConflict) as err:
+        rebase(ws, "toyeng", "3.0.0")
+    report = "\n".join(err.value.report)
+    assert "patch 1/2 0001-core-allocator-seam.patch" in report
+    assert "file toyeng/core.py: patch hunks @@ -" in report
+    assert "no merge possible (file missing or renamed in the new release?)" in report
+    assert not (ws.root / "patches/toyeng/3.0.0").exists()
