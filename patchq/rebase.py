@@ -29,7 +29,7 @@ from packaging.version import Version
 from compat import matrix as compat_matrix
 from compat.matrix import Artifact, BackendStatus, EngineRelease
 from patchq import gitcmd
-from patchq.artifacts import RemoteFile
+from patchq.artifacts import RemoteFile, release_of
 from patchq.console import info, step
 from patchq.errors import ApplyError, ArtifactError, ForkError, RebaseConflict, SeriesError
 from patchq.export import export
@@ -118,6 +118,8 @@ def new_release(ws: Workspace, src: EngineRelease, target: str) -> EngineRelease
     ``untested``. Raises ``ArtifactError`` when a file cannot be matched unambiguously."""
     files = ws.cache.source.files(src.name, target)
     artifacts = tuple(_pick(a, files, src.name, target) for a in src.artifacts)
+    released = release_of(artifacts[0].filename)
+    target = str(released[1]) if released else target  # "0.34" -> "0.34.0", as published
     depth = len(src.short.split("."))
     short = target if src.short == src.version else ".".join(target.split(".")[:depth])
     if any(r.name == src.name and r.short == short for r in ws.releases()):

@@ -128,7 +128,8 @@ def test_a_new_release_pins_the_file_with_the_same_tags_and_the_published_hash(
         (index / name).write_bytes(name.encode())
     ws = Workspace(ws.root, ws.matrix_path, ArtifactCache(tmp_path / "c", DirectorySource(index)))
     src = ws.release("toyeng", "1.0.0")
-    new = new_release(ws, src, "2.0.0")
+    new = new_release(ws, src, "2.0")  # as typed; the entry gets the published version
+    assert new.version == "2.0.0"
     art = new.artifact("wheel", "3.11")
     assert art.filename == names[0] and art.sha256 == sha256_of(index / names[0])
     assert (new.short, new.python) == ("2.0", src.python)
