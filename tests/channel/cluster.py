@@ -21,8 +21,7 @@ from typing import Any
 
 from kvcore.channel import ChannelCoordinator, ChannelDirectory, WorkerListener
 
-GRANULARITY = 64 << 10
-BLOCK_BYTES = 4096
+GRANULARITY = 64 << 10  # host backend; CUDA's is 2 MiB
 BLOCKS_PER_PAGE = 4
 NUM_PAGES = 8
 KV_BUFFERS = 2
@@ -42,8 +41,13 @@ class Topology:
         return self.layers_per_stage[(rank // self.tp) % len(self.layers_per_stage)]
 
 
-def page_bytes_for(layers: int) -> int:
-    return BLOCKS_PER_PAGE * BLOCK_BYTES * layers * KV_BUFFERS
+def block_bytes_for(granularity: int) -> int:
+    """Block bytes such that a 2-layer page id is exactly one granule."""
+    return granularity // (BLOCKS_PER_PAGE * KV_BUFFERS * 2)
+
+
+def page_bytes_for(layers: int, granularity: int = GRANULARITY) -> int:
+    return BLOCKS_PER_PAGE * block_bytes_for(granularity) * layers * KV_BUFFERS
 
 
 class _Hooked:
@@ -104,7 +108,9 @@ class _Hooked:
         self.inner.close()
 
 
-def worker_main(channel_dir: str, rank: int, layers: int, control: Connection) -> None:
+def worker_main(
+    channel_dir: str, rank: int, layers: int, backend_name: str, control: Connection
+) -> None:
     """Entry point of one worker process."""
     import torch
 
@@ -113,14 +119,20 @@ def worker_main(channel_dir: str, rank: int, layers: int, control: Connection) -
     from kvcore.vmm import open_backend
     from kvcore.vmm.faults import FaultInjector
 
-    backend = FaultInjector(open_backend("host", device_bytes=64 << 20, granularity=GRANULARITY))
+    if backend_name == "host":
+        backend = FaultInjector(
+            open_backend("host", device_bytes=64 << 20, granularity=GRANULARITY)
+        )
+    else:  # every worker shares GPU 0, as TP workers sharing one GPU in the GPU test
+        backend = FaultInjector(open_backend(backend_name, 0))
+    gran = backend.granularity()
     geometry = KVGeometry(
         num_layers=layers,
         kv_buffers=KV_BUFFERS,
-        block_bytes=BLOCK_BYTES,
+        block_bytes=block_bytes_for(gran),
         num_blocks=NUM_PAGES * BLOCKS_PER_PAGE,
-        page_bytes=page_bytes_for(layers),
-        granularity=GRANULARITY,
+        page_bytes=page_bytes_for(layers, gran),
+        granularity=gran,
         layout="compound",
     )
     cache = VirtualKVCache(backend, geometry, dtype=torch.uint8)
@@ -180,7 +192,7 @@ def worker_main(channel_dir: str, rank: int, layers: int, control: Connection) -
 class Cluster:
     """``topology.world_size`` worker processes and a coordinator over them."""
 
-    def __init__(self, topology: Topology, *, timeout: float = 20.0) -> None:
+    def __init__(self, topology: Topology, *, timeout: float = 20.0, backend: str = "host") -> None:
         self.topology = topology
         self.base = Path(tempfile.mkdtemp(prefix="kvc"))
         self.directory = ChannelDirectory.create(self.base)
@@ -191,7 +203,7 @@ class Cluster:
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(
                 target=worker_main,
-                args=(str(self.directory.path), rank, topology.layers(rank), theirs),
+                args=(str(self.directory.path), rank, topology.layers(rank), backend, theirs),
                 daemon=True,
             )
             proc.start()

@@ -41,7 +41,7 @@ from kvcore.errors import (
     PoolFailed,
 )
 from kvcore.pages import PageAllocator
-from tests.channel.cluster import NUM_PAGES, Cluster, Topology, page_bytes_for
+from tests.channel.cluster import GRANULARITY, NUM_PAGES, Cluster, Topology, page_bytes_for
 
 pytestmark = pytest.mark.slow
 
@@ -86,48 +86,60 @@ def unmap_all(cluster: Cluster) -> None:
 )
 def test_round_trip_agrees_on_every_worker(topology: Topology) -> None:
     with Cluster(topology) as cluster:
-        coordinator = cluster.coordinator
-        ranks = list(range(topology.world_size))
-        assert coordinator.num_pages == NUM_PAGES
-        assert coordinator.worker_page_bytes == tuple(
-            page_bytes_for(topology.layers(r)) for r in ranks
-        )
-        assert coordinator.page_bytes == max(coordinator.worker_page_bytes)
-        assert len(set(coordinator.worker_pids)) == topology.world_size
+        _round_trip(cluster, GRANULARITY)
 
-        coordinator.map([0, 1, 2])  # several pages, one message per worker
-        assert assert_consistent(cluster)[:4] == ["mapped"] * 3 + ["unbacked"]
-        for rank in ranks:  # each worker's own bytes, through its own tensor views
-            for page in (0, 1, 2):
-                cluster.write(rank, page, 10 * rank + page + 1)
-        for rank in ranks:
-            assert [cluster.read(rank, p) for p in (0, 1, 2, 3)] == [
-                [10 * rank + 1],
-                [10 * rank + 2],
-                [10 * rank + 3],
-                [0],  # unbacked: the zero page
-            ]
 
-        coordinator.prepare_unmap([1, 2])
-        assert assert_consistent(cluster)[1:3] == ["prepared"] * 2
-        assert all(cluster.read(r, 1) == [0] for r in ranks)  # zero page while prepared
-        coordinator.abort_unmap([1])  # the kept handle comes back with its bytes
-        assert all(cluster.read(r, 1) == [10 * r + 2] for r in ranks)
-        coordinator.commit_unmap([2])
-        coordinator.commit_unmap([2])  # idempotent
-        assert assert_consistent(cluster)[:3] == ["mapped", "mapped", "unbacked"]
-        with pytest.raises(InvalidTransition):
-            coordinator.commit_unmap([0])  # mapped, never prepared: refused, unchanged
-        with pytest.raises(InvalidTransition):
-            coordinator.map([0])
+@pytest.mark.gpu
+def test_round_trip_with_cuda_workers_sharing_one_gpu() -> None:
+    with Cluster(Topology(tp=2, pp=2), backend="cuda") as cluster:
+        _round_trip(cluster, 2 << 20)
 
-        coordinator.close()  # every worker unmaps and releases everything
-        for rank in ranks:
-            assert cluster.states(rank) == ["unbacked"] * NUM_PAGES
-            assert cluster.listener(rank)[2]  # listener stopped
-        assert not cluster.directory.path.exists()
-        with pytest.raises(ChannelError, match="closed"):
-            coordinator.map([3])
+
+def _round_trip(cluster: Cluster, granularity: int) -> None:
+    """Map, write, prepare, abort, commit and close, checking every worker's own view."""
+    topology = cluster.topology
+    coordinator = cluster.coordinator
+    ranks = list(range(topology.world_size))
+    assert coordinator.num_pages == NUM_PAGES
+    assert coordinator.worker_page_bytes == tuple(
+        page_bytes_for(topology.layers(r), granularity) for r in ranks
+    )
+    assert coordinator.page_bytes == max(coordinator.worker_page_bytes)
+    assert len(set(coordinator.worker_pids)) == topology.world_size
+
+    coordinator.map([0, 1, 2])  # several pages, one message per worker
+    assert assert_consistent(cluster)[:4] == ["mapped"] * 3 + ["unbacked"]
+    for rank in ranks:  # each worker's own bytes, through its own tensor views
+        for page in (0, 1, 2):
+            cluster.write(rank, page, 10 * rank + page + 1)
+    for rank in ranks:
+        assert [cluster.read(rank, p) for p in (0, 1, 2, 3)] == [
+            [10 * rank + 1],
+            [10 * rank + 2],
+            [10 * rank + 3],
+            [0],  # unbacked: the zero page
+        ]
+
+    coordinator.prepare_unmap([1, 2])
+    assert assert_consistent(cluster)[1:3] == ["prepared"] * 2
+    assert all(cluster.read(r, 1) == [0] for r in ranks)  # zero page while prepared
+    coordinator.abort_unmap([1])  # the kept handle comes back with its bytes
+    assert all(cluster.read(r, 1) == [10 * r + 2] for r in ranks)
+    coordinator.commit_unmap([2])
+    coordinator.commit_unmap([2])  # idempotent
+    assert assert_consistent(cluster)[:3] == ["mapped", "mapped", "unbacked"]
+    with pytest.raises(InvalidTransition):
+        coordinator.commit_unmap([0])  # mapped, never prepared: refused, unchanged
+    with pytest.raises(InvalidTransition):
+        coordinator.map([0])
+
+    coordinator.close()  # every worker unmaps and releases everything
+    for rank in ranks:
+        assert cluster.states(rank) == ["unbacked"] * NUM_PAGES
+        assert cluster.listener(rank)[2]  # listener stopped
+    assert not cluster.directory.path.exists()
+    with pytest.raises(ChannelError, match="closed"):
+        coordinator.map([3])
 
 
 # ------------------------------------------------------------------------ faults, channel lives
