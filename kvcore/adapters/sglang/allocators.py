@@ -15,9 +15,10 @@ physical room (the gate's headroom), so SGLang's admission and decode-retraction
 the shortage before they allocate.
 
 ``max_cached_tokens`` (``--kvcore-config``) bounds the prefix cache: every allocation's
-eviction pass (``evict_to_free_tokens``, which SGLang calls before each allocation) first
-evicts down to the bound. ``conservation_available_size()`` is what the scheduler's idle
-leak check adds to evictable + protected tokens to get the pool's total in elastic mode.
+eviction pass (``evict_to_free_tokens``, which SGLang 0.5.23+ calls before each allocation)
+first evicts down to the bound; on older SGLang the option is refused at start-up.
+``conservation_available_size()`` is what the scheduler's idle leak check adds to evictable
++ protected tokens to get the pool's total in elastic mode.
 
 Only the two stock classes are supported; ``elastic_allocator`` refuses any other allocator
 (SWA, HiSparse, page-interleave, NPU) with ``UnsupportedConfiguration``.
@@ -25,11 +26,14 @@ Only the two stock classes are supported; ``elastic_allocator`` refuses any othe
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
 from sglang.kernels.ops.memory.allocator import alloc_decode_kernel
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator, alloc_decode_naive
+from sglang.srt.mem_cache.allocator import paged as _paged
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.utils import get_num_new_pages, next_power_of_2
 
@@ -68,6 +72,12 @@ class _ElasticMixin:
         self.kvcore = manager
         self.ledger = manager.ledger
         self.max_cached_tokens = manager.config.max_cached_tokens
+        if self.max_cached_tokens is not None and not _eviction_asks_allocator():
+            raise UnsupportedConfiguration(
+                "--kvcore-config max_cached_tokens needs SGLang >= 0.5.23: this SGLang's "
+                "pre-allocation eviction does not call the allocator's evict_to_free_tokens",
+                hint="drop max_cached_tokens from --kvcore-config on this SGLang version",
+            )
         self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
 
     def _free_all(self) -> None:
@@ -229,33 +239,30 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
             )
         if not self._take(num_new_pages):
             return None
-        try:
-            out: torch.Tensor = super().alloc_extend(
-                prefix_lens,
-                prefix_lens_cpu,
-                seq_lens,
-                seq_lens_cpu,
-                last_loc,
-                extend_num_tokens,
-                num_new_pages=num_new_pages,
-            )
-        except BaseException:
-            self._release_page_ids(self.free_pages)
-            raise
-        finally:
-            self.free_pages = self._empty
-        return out
+        return self._run_upstream(
+            super().alloc_extend,
+            prefix_lens,
+            prefix_lens_cpu,
+            seq_lens,
+            seq_lens_cpu,
+            last_loc,
+            extend_num_tokens,
+            num_new_pages=num_new_pages,
+        )
 
     def alloc_decode(
         self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor
     ) -> torch.Tensor | None:
-        # upstream's alloc_decode minus its free-list bookkeeping, so the new-page count
-        # (a few torch ops on CPU) is computed once, not twice
         num_new_pages = int(
             get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True)
         )
         if not self._take(num_new_pages):
             return None
+        naive = getattr(_paged, "alloc_decode_naive", None)
+        if naive is None:  # SGLang < 0.5.23: the Triton kernel is the only decode path
+            return self._run_upstream(super().alloc_decode, seq_lens, seq_lens_cpu, last_loc)
+        # upstream's alloc_decode minus its free-list bookkeeping, so the new-page count
+        # (a few torch ops on CPU) is computed once, not twice
         pages, self.free_pages = self.free_pages, self._empty
         bs = len(seq_lens)
         out = torch.empty((bs,), dtype=torch.int64, device=self.device)
@@ -265,10 +272,22 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
                     seq_lens, last_loc, pages, out, next_power_of_2(bs), self.page_size
                 )
             else:
-                alloc_decode_naive(seq_lens, last_loc, pages, out, self.page_size, num_new_pages)
+                naive(seq_lens, last_loc, pages, out, self.page_size, num_new_pages)
         except BaseException:
             self._release_page_ids(pages)
             raise
+        return out
+
+    def _run_upstream(self, method: Any, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        """Run upstream's ``method`` over the staged ``free_pages``; on an error the staged
+        pages go back to the ledger."""
+        try:
+            out: torch.Tensor | None = method(*args, **kwargs)
+        except BaseException:
+            self._release_page_ids(self.free_pages)
+            raise
+        finally:
+            self.free_pages = self._empty
         return out
 
     def _release_page_ids(self, *page_ids: torch.Tensor) -> None:
@@ -276,6 +295,18 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
         ids = page_ids[0] if len(page_ids) == 1 else torch.cat(page_ids)
         if ids.numel():
             self.ledger.free(ids.tolist())
+
+
+@functools.cache
+def _eviction_asks_allocator() -> bool:
+    """Whether SGLang's pre-allocation eviction (``common.evict_from_tree_cache``) goes through
+    ``allocator.evict_to_free_tokens`` (0.5.23 and later), where the cache bound is applied."""
+    from sglang.srt.mem_cache import common
+
+    try:
+        return "evict_to_free_tokens" in inspect.getsource(common.evict_from_tree_cache)
+    except (OSError, TypeError):  # no source: assume the newer seam
+        return True
 
 
 _ELASTIC = {

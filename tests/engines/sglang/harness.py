@@ -12,6 +12,7 @@ on the upstream wheel, which lacks the seams.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -148,3 +149,17 @@ def make(engines: list[Engine]) -> Any:
 
 
 requires_fork = pytest.mark.skipif(not PATCHED, reason="needs the kvcore fork of SGLang")
+
+_paged = importlib.import_module("sglang.srt.mem_cache.allocator.paged")
+requires_cpu_paged_kernels = pytest.mark.skipif(
+    not hasattr(_paged, "alloc_decode_naive"),
+    reason=f"SGLang {sglang.__version__}'s paged alloc_extend/alloc_decode launch Triton "
+    "kernels unconditionally (no CPU path before 0.5.23)",
+)
+
+
+def matched(result: Any) -> int:
+    """Tokens a radix ``match_prefix`` matched on the device (the field's name changed
+    after 0.5.20: ``device_indices`` -> ``device_prefix_len``)."""
+    n = getattr(result, "device_prefix_len", None)
+    return int(n) if n is not None else len(result.device_indices)

@@ -21,6 +21,8 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
+from .harness import matched, requires_cpu_paged_kernels
+
 
 def radix(allocator: Any, page_size: int) -> RadixCache:
     req_pool = ReqToTokenPool(size=8, max_context_len=4096, device="cpu", enable_memory_saver=False)
@@ -69,6 +71,7 @@ def test_paged_alloc_returns_none_when_short(kv_mode: str, make: Any) -> None:
     assert a.available_size() == 256
 
 
+@requires_cpu_paged_kernels
 def test_alloc_extend_continues_partial_pages(kv_mode: str, make: Any) -> None:
     e = make(kv_mode, size=512, page_size=16)
     a = e.allocator
@@ -88,6 +91,7 @@ def test_alloc_extend_continues_partial_pages(kv_mode: str, make: Any) -> None:
     assert a.available_size() == before - 16
 
 
+@requires_cpu_paged_kernels
 def test_alloc_decode_takes_a_page_only_at_a_boundary(kv_mode: str, make: Any) -> None:
     e = make(kv_mode, size=512, page_size=16)
     a = e.allocator
@@ -162,7 +166,7 @@ def test_radix_insert_match_lock_evict(kv_mode: str, make: Any) -> None:
     tree.insert(InsertParams(key=RadixKey(token_ids=array("q", tokens)), value=kv))
     assert tree.evictable_size() == 64
     m = tree.match_prefix(MatchPrefixParams(key=RadixKey(token_ids=array("q", [*tokens, 7]))))
-    assert m.device_prefix_len == 64
+    assert matched(m) == 64
     # a locked path is not evictable
     tree.inc_lock_ref(m.last_device_node)
     assert tree.evict(EvictParams(num_tokens=64)).num_tokens_evicted == 0
@@ -181,9 +185,9 @@ def test_radix_page_aligned_match_extra_key_and_lock_accounting(kv_mode: str, ma
     tree.insert(InsertParams(key=RadixKey(token_ids=tokens), value=kv[:40]))
     assert tree.evictable_size() == 32
     m = tree.match_prefix(MatchPrefixParams(key=RadixKey(token_ids=tokens[:20])))
-    assert m.device_prefix_len == 16  # matches stop at page boundaries
+    assert matched(m) == 16  # matches stop at page boundaries
     other = tree.match_prefix(MatchPrefixParams(key=RadixKey(token_ids=tokens, extra_key="lora")))
-    assert other.device_prefix_len == 0  # extra keys isolate namespaces
+    assert matched(other) == 0  # extra keys isolate namespaces
     full = tree.match_prefix(MatchPrefixParams(key=RadixKey(token_ids=tokens)))
     tree.inc_lock_ref(full.last_device_node)
     assert (tree.evictable_size(), tree.protected_size()) == (0, 32)
