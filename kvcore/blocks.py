@@ -24,7 +24,7 @@ partly used pages indexed by their free count (a bit mask finds the fullest in O
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from kvcore.errors import GeometryError, InvalidTransition, PoolFailed
 from kvcore.geometry import KVGeometry
@@ -177,12 +177,12 @@ class BlockLedger:
                 self._pages.release(fresh)
             return out
 
-    def free(self, block_ids: Sequence[int], fence: Hashable | None = None) -> None:
+    def free(self, block_ids: Sequence[int], fence: int | None = None) -> None:
         """Free allocated block ids. A page whose blocks are now all free goes back to the
-        page allocator (behind ``fence`` when given: it stays mapped until
-        ``pages.retire(fence)``). Raises ``InvalidTransition`` naming the id, with nothing
-        changed, for a double free, an id never allocated, a reserved id or one out of
-        range."""
+        page allocator (behind ``fence``, an engine step number, when given: it stays mapped
+        until ``pages.retire(upto)`` with ``upto >= fence``). Raises ``InvalidTransition``
+        naming the id, with nothing changed, for a double free, an id never allocated, a
+        reserved id or one out of range."""
         with self._lock:
             state = self._state
             stacks = self._stacks

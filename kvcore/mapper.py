@@ -27,6 +27,24 @@ Transitions (DESIGN.md section 5):
     unmap prepared -> unbacked. Releases (or pools) the handles. Idempotent.
 ``abort_unmap(ids)``
     unmap prepared -> mapped. Restores the original mappings from the kept handles.
+
+Device memory held (what the memory gate must be charged for). A mapper may keep physical
+memory beyond its mapped pages: handles pooled after ``commit_unmap`` for reuse, handles
+whose release failed and waits for a retry, the handles of quarantined pages. It reports
+them, so the page allocator charges its ``MemoryGate`` exactly what the device holds:
+
+``held_bytes``
+    device bytes held now, per worker: every physical handle created and not yet released
+    (mapped and prepared pages, quarantined pages, pooled handles, failed releases). Over
+    several workers, the largest worker's figure (each worker is on its own GPU; the gate
+    stands for the fullest). Changes only inside this mapper's own calls.
+``pooled_pages``
+    how many pages a ``map`` can back from pooled handles without new device memory (over
+    several workers, the smallest worker's figure): a map of ``n`` pages grows
+    ``held_bytes`` by at most ``max(n - pooled_pages, 0) * page_bytes``.
+``trim_pool()``
+    releases every pooled handle (memory back to the driver) and retries failed releases.
+    Raises the first ``VmmError`` after trying them all (what failed stays held).
 """
 
 from __future__ import annotations
@@ -63,6 +81,21 @@ class PageMapper(Protocol):
 
     def abort_unmap(self, page_ids: Sequence[int]) -> None:
         """Undo a prepared unmap: restore the mappings from the kept handles."""
+        ...
+
+    @property
+    def held_bytes(self) -> int:
+        """Device bytes held now (per worker; the largest worker's), pooled and
+        quarantined memory included. See the module docstring."""
+        ...
+
+    @property
+    def pooled_pages(self) -> int:
+        """Pages a ``map`` can back from pooled handles, with no new device memory."""
+        ...
+
+    def trim_pool(self) -> None:
+        """Release every pooled handle; retry failed releases."""
         ...
 
     def close(self) -> None:

@@ -24,28 +24,45 @@ one lock. Surplus pages are unmapped by the background thread too, so unmap outl
 on a GPU) never land on the scheduler thread. Only when the reserve and the pages waiting to
 be unmapped cannot cover a request does ``acquire`` map on the calling thread.
 
+Fences. ``release(ids, fence=step)`` keeps the pages mapped until ``retire(upto)`` with
+``upto >= step``: engines pass monotonically increasing step numbers, and one ``retire`` of
+the last finished step frees everything released behind it or any earlier step.
+
+Accounting. The gate is charged for exactly the device memory the mapper holds
+(``PageMapper.held_bytes``: mapped pages, handles the mapper pools for reuse, handles whose
+release failed, quarantined pages), never for a byte twice. Before a map the allocator
+charges the most the map can add (``pages - mapper.pooled_pages`` pages: a map served from
+the pool charges nothing); after every mapper call it settles the charge to ``held_bytes``,
+giving back only real shrinkage. Charges and mapper calls happen under one lock, so the
+figures cannot move in between. Pooled handles count as idle memory, like the reserve:
+``report_reserve`` includes them, and when the gate's ``reserve_target`` cuts the idle
+memory, or on ``trim()``, the pool is released first.
+
 Failure handling (DESIGN.md section 6, invariants 2 and 3):
 
 * a physical shortage (the gate refuses, the mapper raises ``OutOfDeviceMemory``) or a map
   the mapper rolled back cleanly (any other ``VmmError``) is a *miss*: ``acquire`` returns
   ``None`` and every page it touched is back where it was;
 * ``PageQuarantined`` from the mapper quarantines the pages it names (every page of the call
-  when it names none): capacity shrinks, the caller sees a miss. A quarantined page keeps
-  its gate charge until ``close`` (its memory may still be held);
-* ``PoolFailed`` from the mapper, any other exception, or a state the allocator cannot
-  explain fails the allocator: that call and every later one raise ``PoolFailed``.
+  when it names none): capacity shrinks, the caller sees a miss. The gate stays charged for
+  whatever memory the mapper still holds for them;
+* ``PoolFailed`` from the mapper, any other exception from the mapper or the gate, or a
+  state the allocator cannot explain fails the allocator: that call and every later one
+  raise ``PoolFailed``.
 
-The mapper is called with one lock held (``PageMapper`` implementations need not be
-thread-safe); the allocator's own state is guarded by another, never held across a mapper
-or gate call.
+The mapper and the gate's ``try_acquire`` / ``release`` are called with one lock held
+(``PageMapper`` implementations need not be thread-safe); the allocator's own state is
+guarded by another, never held across a mapper or gate call.
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
+import logging
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -59,6 +76,8 @@ from kvcore.errors import (
 from kvcore.mapper import PageMapper
 
 __all__ = ["TRANSITIONS", "PageAllocator", "PageState", "PageStats"]
+
+log = logging.getLogger(__name__)
 
 
 class PageState(enum.IntEnum):
@@ -74,7 +93,7 @@ class PageState(enum.IntEnum):
     """Mapped and idle in the reserve; ``acquire`` hands it out without a driver call."""
     FENCED = 4
     """Released behind a fence: still mapped (an in-flight batch may read it) until
-    ``retire(fence)``."""
+    ``retire(upto)`` with ``upto >= fence``."""
     UNMAP_QUEUED = 5
     """Released surplus, still mapped, waiting for the background unmap; ``acquire`` may
     take it back without a driver call."""
@@ -136,6 +155,11 @@ class PageStats:
     """Released pages waiting for their fence to retire."""
     pending_fences: int
     """Fences with at least one page behind them."""
+    pooled: int
+    """Pages' worth of unmapped handles the mapper keeps for reuse (``mapper.pooled_pages``)."""
+    charged_bytes: int
+    """Bytes charged to the gate: what the mapper held after its last call
+    (``mapper.held_bytes``), mapped, pooled, quarantined and unreleased memory alike."""
     unmap_pending: int
     """Pages queued for, or in, the background unmap."""
     quarantined: int
@@ -191,7 +215,12 @@ class PageAllocator:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # lowest id on top
         self._reserve: list[int] = []
         self._unmap_queue: list[int] = []
-        self._fenced: dict[Hashable, list[int]] = {}
+        self._fenced: dict[int, list[int]] = {}  # fence -> pages released behind it
+        self._fence_heap: list[int] = []  # the keys of _fenced, smallest first
+        self._retired_upto: int | None = None  # the largest ``retire(upto)`` so far
+        self._charged = 0  # bytes charged to the gate; written under _mapper_lock
+        self._pooled = 0  # mapper.pooled_pages after its last call; written under _mapper_lock
+        self._trim_pool = False  # trim() asked the background thread to drop the pool
         self._reserve_cap = reserve_max  # gate-approved reserve size, refreshed off-thread
         self._refill_paused = False  # set by trim() until the next acquire
         self._retry_at = 0.0  # no background map before this monotonic time
@@ -215,6 +244,13 @@ class PageAllocator:
         self._wake = threading.Condition(self._lock)  # the background thread waits here
         self._settled = threading.Condition(self._lock)  # flush() waits here
         self._mapper_lock = threading.Lock()
+        with self._mapper_lock:  # a mapper reused from an earlier allocator may hold memory
+            if not self._settle_charge_locked():
+                raise PoolFailed(
+                    f"page allocator: the gate refuses the {mapper.held_bytes} bytes the "
+                    "mapper already holds",
+                    hint="trim or close the mapper's earlier user first, or raise the limit",
+                )
         self._thread = threading.Thread(target=self._run, name="kvcore-page-refill", daemon=True)
         self._thread.start()
 
@@ -338,15 +374,17 @@ class PageAllocator:
             self._check_usable()
             return False
 
-    def release(self, page_ids: Sequence[int], fence: Hashable | None = None) -> None:
+    def release(self, page_ids: Sequence[int], fence: int | None = None) -> None:
         """Give back ``IN_USE`` pages whose blocks are all free.
 
         Without a ``fence`` each page goes to the reserve while it is below the gate's
         reserve target, else it is queued for the background thread to unmap
-        (``prepare_unmap`` + ``commit_unmap``, then ``gate.release``). With a ``fence`` the
-        pages stay mapped until ``retire(fence)``: the barrier that proves no in-flight
-        batch still reads them. Makes no mapper call. Raises ``InvalidTransition`` (nothing
-        changed) for a page not in use or named twice, ``PoolFailed`` once failed.
+        (``prepare_unmap`` + ``commit_unmap``, then the gate's charge settled). With a
+        ``fence`` (an engine step number) the pages stay mapped until ``retire(upto)`` with
+        ``upto >= fence``: the barrier that proves no in-flight batch still reads them; a
+        fence at or below a ``retire`` already made has passed, and the pages are released
+        at once. Makes no mapper call. Raises ``InvalidTransition`` (nothing changed) for a
+        page not in use or named twice, ``PoolFailed`` once failed.
         """
         with self._lock:
             self._check_usable()
@@ -367,20 +405,32 @@ class PageAllocator:
                         hint="release only pages acquire() handed out, once each",
                     )
                 state[p] = _RELEASING
-            if fence is not None:
+            if fence is not None and (self._retired_upto is None or fence > self._retired_upto):
                 for p in page_ids:
                     state[p] = _FENCED
-                self._fenced.setdefault(fence, []).extend(page_ids)
+                behind = self._fenced.get(fence)
+                if behind is None:
+                    self._fenced[fence] = behind = []
+                    heapq.heappush(self._fence_heap, fence)
+                behind.extend(page_ids)
                 return
             self._park(page_ids)
 
-    def retire(self, fence: Hashable) -> int:
-        """The barrier ``fence`` has passed: pages released behind it go to the reserve or
-        the unmap queue like an unfenced ``release``. Returns how many pages it freed (0 for
-        a fence with nothing behind it). Makes no mapper call."""
+    def retire(self, upto: int) -> int:
+        """Every barrier up to ``upto`` has passed (engines: the last step whose batch
+        finished): pages released behind any fence ``<= upto`` go to the reserve or the
+        unmap queue like an unfenced ``release``, and a later ``release`` behind such a fence
+        is released at once. Returns how many pages it freed (0 when nothing was behind
+        those fences). O(pages freed + log(fences) per fence retired); makes no mapper
+        call."""
         with self._lock:
             self._check_usable()
-            pages = self._fenced.pop(fence, None)
+            if self._retired_upto is None or upto > self._retired_upto:
+                self._retired_upto = upto
+            heap = self._fence_heap
+            pages: list[int] = []
+            while heap and heap[0] <= upto:
+                pages += self._fenced.pop(heapq.heappop(heap))
             if not pages:
                 return 0
             self._move(pages, _FENCED, _RELEASING)
@@ -388,8 +438,10 @@ class PageAllocator:
             return len(pages)
 
     def trim(self) -> int:
-        """Drop the whole reserve: its pages are unmapped by the background thread, and the
-        refill stays paused until the next ``acquire``. Returns the pages dropped."""
+        """Give idle memory back to the driver: the whole reserve is unmapped by the
+        background thread, then the mapper's pooled handles are released, and the refill
+        stays paused until the next ``acquire``. Returns the reserve pages dropped. Makes
+        no mapper call (``flush()`` waits for the background thread to finish)."""
         with self._lock:
             self._check_usable()
             dropped = self._reserve[:]
@@ -397,6 +449,7 @@ class PageAllocator:
             self._move(dropped, _RESERVED, _QUEUED)
             self._unmap_queue.extend(dropped)
             self._refill_paused = True
+            self._trim_pool = True
             self._reserve_dirty = True
             self._wake.notify()
             return len(dropped)
@@ -429,8 +482,8 @@ class PageAllocator:
 
     def available(self) -> int:
         """Pages ``acquire`` could hand out now: reserved, queued for unmap, and free pages
-        the gate would still admit (``gate.headroom()`` where the gate has one). An upper
-        bound: the device itself may still run out."""
+        the mapper's pool or the gate would still admit (``gate.headroom()`` where the gate
+        has one). An upper bound: the device itself may still run out."""
         with self._lock:
             self._check_usable()
             ready = len(self._reserve) + len(self._unmap_queue)
@@ -438,7 +491,7 @@ class PageAllocator:
         headroom = getattr(self._gate, "headroom", None)
         room = headroom() if callable(headroom) else None
         if isinstance(room, int):
-            free = min(free, max(room, 0) // self._page_bytes)
+            free = min(free, self._pooled + max(room, 0) // self._page_bytes)
         return ready + free
 
     def stats(self) -> PageStats:
@@ -455,6 +508,8 @@ class PageAllocator:
                 reserved=counts[_RESERVED],
                 fenced=counts[_FENCED],
                 pending_fences=len(self._fenced),
+                pooled=self._pooled,
+                charged_bytes=self._charged,
                 unmap_pending=counts[_QUEUED] + counts[_UNMAPPING],
                 quarantined=counts[_QUARANTINED],
                 free=counts[_FREE],
@@ -465,11 +520,12 @@ class PageAllocator:
             )
 
     def close(self) -> None:
-        """Stop the background thread and unmap every mapped page (in use ones included:
-        the engine is going away), returning their bytes and the quarantined pages' bytes to
-        the gate. Idempotent. Raises ``PoolFailed`` if the final unmap of a healthy allocator
-        failed (the mapper's own ``close`` still releases what is left); after a fail-stop it
-        only tries."""
+        """Stop the background thread, unmap every mapped page (in use ones included: the
+        engine is going away), release the mapper's pooled handles and settle the gate's
+        charge to what the mapper still holds: nothing, unless pages are quarantined or a
+        release failed (the mapper's own ``close``, which the owner calls next, releases
+        those; closing the gate drops their charge). Idempotent. Raises ``PoolFailed`` if
+        the final unmap of a healthy allocator failed; after a fail-stop it only tries."""
         with self._lock:
             if self._closed:
                 return
@@ -480,27 +536,35 @@ class PageAllocator:
         self._thread.join()
         with self._lock:
             backed = [p for p in range(self._num_pages) if self._state[p] in _BACKED]
-            quarantined = sum(1 for s in self._state if s == _QUARANTINED)
             for p in backed:
                 self._state[p] = _UNMAPPING
             self._reserve.clear()
             self._unmap_queue.clear()
             self._fenced.clear()
+            self._fence_heap.clear()
         error: BaseException | None = None
-        if backed:
+        with self._mapper_lock:
             try:
-                with self._mapper_lock:
+                if backed:
                     self._calls_caller += 2
                     self._mapper.prepare_unmap(backed)
                     self._mapper.commit_unmap(backed)
             except BaseException as exc:  # close is best effort; report at the end
                 error = exc
+            try:
+                self._calls_caller += 1
+                self._mapper.trim_pool()
+            except BaseException as exc:
+                log.warning("kvcore: releasing the mapper's pooled handles at close: %r", exc)
+            try:
+                self._settle_charge_locked()
+                self._gate.report_reserve(0)
+            except BaseException as exc:
+                log.error("kvcore: settling the gate's charge at close failed: %r", exc)
         with self._lock:
             if error is None:
                 for p in backed:
                     self._state[p] = _FREE
-        self._gate.release((len(backed) + quarantined) * self._page_bytes)
-        self._gate.report_reserve(0)
         if error is not None and self._failure is None:  # a failed pool already said so
             raise PoolFailed(
                 f"page allocator: unmapping {len(backed)} pages at close failed: {error}",
@@ -559,7 +623,7 @@ class PageAllocator:
         self._wake.notify()
 
     def _idle_locked(self) -> bool:
-        if self._unmap_queue or len(self._reserve) > self._reserve_cap:
+        if self._unmap_queue or self._trim_pool or len(self._reserve) > self._reserve_cap:
             return False
         return self._refill_deficit_locked() == 0 or self._refill_blocked_locked()
 
@@ -607,27 +671,68 @@ class PageAllocator:
     def _map(self, pages: list[int], *, refill: bool) -> bool:
         """Map ``MAPPING`` pages. ``True``: mapped, still ``MAPPING`` for the caller to move
         on. ``False``: a miss, the pages are ``FREE`` (or quarantined) again. Raises
-        ``PoolFailed`` when the allocator failed."""
-        nbytes = len(pages) * self._page_bytes
-        if not self._gate.try_acquire(nbytes):
-            self._return_to_free(pages)
-            return False
-        try:
-            with self._mapper_lock:
+        ``PoolFailed`` when the allocator failed.
+
+        The gate is charged first for the most the map can add (pooled handles cost
+        nothing more), then settled to what the mapper holds after the call. A map that
+        grew the mapper beyond that charge (only if something else drove the mapper) and
+        that the gate then refuses is undone: a miss."""
+        with self._mapper_lock:
+            growth = max(len(pages) - self._mapper.pooled_pages, 0) * self._page_bytes
+            try:
+                admitted = self._gate_acquire(growth)
+            except PoolFailed:  # the gate broke: fail-stop, the pages were never mapped
+                self._return_to_free(pages)
+                raise
+            if not admitted:
+                self._return_to_free(pages)
+                return False
+            self._charged += growth
+            quarantined: list[int] | None = None
+            try:
                 self._count_call(refill)
                 self._mapper.map(pages)
+            except PageQuarantined as exc:
+                quarantined = _named_or_all(exc.page_ids, pages)
+            except PoolFailed as exc:
+                self._fail(f"mapper failed while mapping pages {pages}: {exc}", exc)
+            except VmmError:  # out of device memory, or a map the mapper rolled back cleanly
+                quarantined = []
+            except BaseException as exc:
+                self._fail(f"unexpected error while mapping pages {pages}: {exc!r}", exc)
+            if self._settle_charge_locked():
+                if quarantined is None:
+                    return True
+            elif quarantined is None:
+                log.error(
+                    "kvcore: mapping pages %s grew the mapper to %d bytes, beyond what the "
+                    "gate admits (was the mapper driven by another caller?); undoing it",
+                    pages,
+                    self._mapper.held_bytes,
+                )
+                quarantined = self._undo_map_locked(pages)
+            self._to_free(pages, _MAPPING, quarantined=quarantined)
+            return False
+
+    def _undo_map_locked(self, pages: list[int]) -> list[int]:
+        """Unmap pages this allocator just mapped (the gate refused what they cost); the
+        pages that could not be unmapped, to quarantine. Caller holds ``_mapper_lock``."""
+        try:
+            self._mapper.prepare_unmap(pages)
         except PageQuarantined as exc:
-            self._to_free(pages, _MAPPING, quarantined=_named_or_all(exc.page_ids, pages))
-            return False
-        except PoolFailed as exc:
-            self._fail(f"mapper failed while mapping pages {pages}: {exc}", exc)
-        except VmmError:  # out of device memory, or a map the mapper rolled back cleanly
-            self._gate.release(nbytes)
-            self._return_to_free(pages)
-            return False
+            return _named_or_all(exc.page_ids, pages)
+        except VmmError:
+            return list(pages)
         except BaseException as exc:
-            self._fail(f"unexpected error while mapping pages {pages}: {exc!r}", exc)
-        return True
+            self._fail(f"undoing the map of pages {pages} failed: {exc!r}", exc)
+        try:
+            self._mapper.commit_unmap(pages)
+        except VmmError:  # unbacked; a handle release waits for a retry (still charged)
+            pass
+        except BaseException as exc:
+            self._fail(f"undoing the map of pages {pages} failed: {exc!r}", exc)
+        self._settle_charge_locked()
+        return []
 
     def _return_to_free(self, pages: list[int]) -> None:
         with self._lock:
@@ -657,7 +762,10 @@ class PageAllocator:
             try:
                 with self._mapper_lock:
                     self._calls_refill += 1
-                    self._mapper.commit_unmap(pages)
+                    try:
+                        self._mapper.commit_unmap(pages)
+                    finally:  # what was released (or pooled) settles either way
+                        self._settle_charge_locked()
                 break
             except PageQuarantined as exc:
                 quarantined = _named_or_all(exc.page_ids, pages)
@@ -673,15 +781,59 @@ class PageAllocator:
         return True
 
     def _to_free(self, pages: list[int], frm: int, quarantined: Sequence[int]) -> None:
-        """Pages leave a failed or finished mapper call: ``quarantined`` ones for good (their
-        gate charge stays until ``close``), the others unbacked, their bytes back to the
-        gate."""
+        """Pages leave a failed or finished mapper call: ``quarantined`` ones for good, the
+        others unbacked. (The gate's charge follows ``mapper.held_bytes``, not these.)"""
+        bad = set(quarantined)
         with self._lock:
             self._move(quarantined, frm, _QUARANTINED)
-            done = [p for p in pages if p not in quarantined]
+            done = [p for p in pages if p not in bad]
             self._move(done, frm, _FREE)
             self._free.extend(done)
-        self._gate.release(len(done) * self._page_bytes)
+
+    # ------------------------------------------------------------------ the gate's charge
+
+    def _settle_charge_locked(self) -> bool:
+        """Make the gate's charge what the mapper holds: give back what it no longer holds,
+        claim what it holds beyond the charge. ``False`` when the gate refused such growth
+        (the charge stays short by that much). Caller holds ``_mapper_lock``."""
+        held = self._mapper.held_bytes
+        self._pooled = self._mapper.pooled_pages
+        if held < self._charged:
+            self._gate_release(self._charged - held)
+            self._charged = held
+        elif held > self._charged:
+            if not self._gate_acquire(held - self._charged):
+                return False
+            self._charged = held
+        return True
+
+    def _gate_acquire(self, nbytes: int) -> bool:
+        if nbytes <= 0:
+            return True
+        try:
+            return self._gate.try_acquire(nbytes)
+        except BaseException as exc:  # the books can no longer be kept: fail-stop
+            self._fail(f"the memory gate failed to admit {nbytes} bytes: {exc!r}", exc)
+
+    def _gate_release(self, nbytes: int) -> None:
+        try:
+            self._gate.release(nbytes)
+        except BaseException as exc:
+            self._fail(f"the memory gate failed to take back {nbytes} bytes: {exc!r}", exc)
+
+    def _trim_pool_locked(self) -> None:
+        """Release the mapper's pooled handles and settle the charge. A failed release stays
+        held (and charged) and is retried by the mapper later. Caller holds
+        ``_mapper_lock``."""
+        self._count_call(threading.current_thread() is self._thread)
+        try:
+            self._mapper.trim_pool()
+        except VmmError as exc:
+            log.warning("kvcore: releasing pooled handles failed (retried later): %s", exc)
+        except BaseException as exc:
+            self._fail(f"mapper failed while releasing its pool: {exc!r}", exc)
+        finally:
+            self._settle_charge_locked()
 
     def _settle_unmap_failure(self, pages: list[int], quarantined: Sequence[int]) -> None:
         """A prepare failed: quarantined pages leave, the rest are still mapped and go back
@@ -722,9 +874,15 @@ class PageAllocator:
                 return False
             self._busy = True
             self._kick = False
-        cap = self._gate.reserve_target(self._reserve_max * self._page_bytes) // self._page_bytes
+        pb = self._page_bytes
+        wanted = self._reserve_max + self._pooled  # idle pages: the reserve, then the pool
+        allowed = max(self._gate.reserve_target(wanted * pb) // pb, 0)
         with self._lock:
-            self._reserve_cap = min(max(cap, 0), self._reserve_max)
+            self._reserve_cap = min(allowed, self._reserve_max)
+            # the pool goes first when the gate cuts the idle memory, and all of it on trim()
+            trim_asked, self._trim_pool = self._trim_pool, False
+            pool_keep = 0 if trim_asked else allowed - self._reserve_cap
+            drop_pool = allowed < wanted
             unmaps, maps = self._plan_locked()
         if unmaps and self._unmap(unmaps):
             with self._lock:
@@ -741,8 +899,11 @@ class PageAllocator:
                     self._retry_at = time.monotonic() + self._backoff
                     self._backoff = min(2 * self._backoff, 20 * self._retry_interval)
                     self._batch_limit = max(len(maps) // 2, 1)
+        if trim_asked or (drop_pool and self._pooled > pool_keep):  # trim: retry releases too
+            with self._mapper_lock:
+                self._trim_pool_locked()
         with self._lock:
-            reserve_bytes = len(self._reserve) * self._page_bytes
+            reserve_bytes = (len(self._reserve) + self._pooled) * pb
             self._reserve_dirty = False
         self._gate.report_reserve(reserve_bytes)
         with self._lock:
@@ -754,7 +915,7 @@ class PageAllocator:
         return bool(self._unmap_queue) or len(self._reserve) > self._reserve_cap
 
     def _has_work_locked(self) -> bool:
-        if self._kick:
+        if self._kick or self._trim_pool:
             return True
         if self._unmap_pending_locked() and time.monotonic() >= self._unmap_retry_at:
             return True

@@ -384,6 +384,7 @@ class LocalPageMapper:
 
     ``pool_pages`` bounds the physical handles kept for reuse after ``commit_unmap``
     (in pages; each page is ``handles_per_page`` handles). Pooled handles hold device memory:
+    ``held_bytes`` counts them (with every other handle not yet released) and
     ``trim_pool()`` gives them back. Thread-safe; calls are serialised.
 
     Raises, besides what ``kvcore.mapper`` documents: ``InvalidTransition`` when an id is
@@ -402,6 +403,7 @@ class LocalPageMapper:
         ]
         self._pool: list[Handle] = []
         self._pending_release: list[Handle] = []
+        self._live_handles = 0  # created and not released: what held_bytes reports
         self._failed: BaseException | None = None
         self._closed = False
         self._lock = threading.RLock()
@@ -415,6 +417,18 @@ class LocalPageMapper:
     @property
     def page_bytes(self) -> int:
         return self.geometry.page_device_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Device bytes of every handle this mapper created and has not released: mapped,
+        prepared and quarantined pages, pooled handles, failed releases (not the cache's
+        zero page)."""
+        return self._live_handles * self.geometry.page_bytes
+
+    @property
+    def pooled_pages(self) -> int:
+        """Whole pages' worth of pooled handles (a ``map`` takes these before creating)."""
+        return len(self._pool) // self.geometry.handles_per_page
 
     def map(self, page_ids: Sequence[int]) -> None:
         with self._lock:
@@ -489,6 +503,7 @@ class LocalPageMapper:
             for h in handles:
                 try:
                     self.backend.release(h)
+                    self._live_handles -= 1
                 except VmmError as err:
                     errors.append(err)
             if errors:
@@ -516,13 +531,17 @@ class LocalPageMapper:
         """True once the mapper stopped on an unknown state."""
         return self._failed is not None
 
-    def trim_pool(self, keep: int = 0) -> None:
-        """Release pooled handles until at most ``keep`` remain (memory back to the
-        driver). Raises the first ``VmmError`` after trying them all."""
+    def trim_pool(self, keep_pages: int = 0) -> None:
+        """Release pooled handles until at most ``keep_pages`` pages' worth remain (memory
+        back to the driver), and retry the releases that failed earlier. Raises the first
+        ``VmmError`` after trying them all (a handle that failed stays in ``held_bytes``
+        until a later retry or ``close``)."""
         with self._lock:
+            keep = max(keep_pages, 0) * self.geometry.handles_per_page
             extra = self._pool[keep:]
             del self._pool[keep:]
-            errors = self._release_all(extra)
+            retry, self._pending_release = self._pending_release, []
+            errors = self._release_all(extra + retry)
             if errors:
                 raise errors[0]
 
@@ -627,6 +646,7 @@ class LocalPageMapper:
         try:
             while len(taken) < n:
                 taken.append(self.backend.create(self.geometry.page_bytes))
+                self._live_handles += 1
         except VmmError:
             self._give_back(taken)
             raise
@@ -647,6 +667,7 @@ class LocalPageMapper:
         for h in handles:
             try:
                 self.backend.release(h)
+                self._live_handles -= 1
             except VmmError as err:
                 self._pending_release.append(h)
                 errors.append(err)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from kvcore import gpu_ledger
 from kvcore.accounting import BudgetGate, UnlimitedGate
-from kvcore.errors import InvalidTransition, PoolFailed
+from kvcore.errors import InvalidTransition, LedgerError, PoolFailed
+from kvcore.gpu_ledger import GpuLedger, LedgerGate
 from kvcore.pages import TRANSITIONS, PageAllocator, PageState
 from tests.memstack import BACKENDS, MemStack, build_stack
 
@@ -272,23 +275,51 @@ def test_an_unknown_mapper_state_fails_the_allocator_for_good(stack: MemStack) -
 def test_a_fenced_release_stays_mapped_until_its_fence_retires(stack: MemStack) -> None:
     ids = stack.pages.acquire(3)
     assert ids is not None
-    stack.pages.release(ids[:2], fence=("step", 7))
-    stack.pages.release(ids[2:], fence=("step", 8))
+    stack.pages.release(ids[:2], fence=7)
+    stack.pages.release(ids[2:], fence=8)
     assert stack.pages.flush()
     st = stack.pages.stats()
     assert (st.fenced, st.pending_fences, st.mapped) == (3, 2, 3)
     assert set(ids) == stack.mapped_pages()
-    assert stack.pages.retire(("step", 99)) == 0
-    assert stack.pages.retire(("step", 7)) == 2
-    assert stack.pages.retire(("step", 7)) == 0
+    assert stack.pages.retire(6) == 0  # no fence at or below 6
+    assert stack.pages.retire(7) == 2
+    assert stack.pages.retire(7) == 0
     assert stack.pages.flush()
     st = stack.pages.stats()
     assert (st.fenced, st.pending_fences, st.reserved, st.mapped) == (1, 1, 2, 3)
-    assert stack.pages.retire(("step", 8)) == 1
+    assert stack.pages.retire(8) == 1
     assert stack.pages.flush()
     assert stack.pages.stats().mapped == 2  # the reserve holds 2; the third was unmapped
     with pytest.raises(InvalidTransition, match=r"RESERVED|FREE"):
         stack.pages.release(ids[2:])
+
+
+def test_retire_frees_every_fence_up_to_the_step_it_names(stack: MemStack) -> None:
+    # engines fence with step numbers and retire the last finished step, skipping some
+    ids = stack.pages.acquire(5)
+    assert ids is not None
+    for step, page in zip((3, 5, 4, 9, 5), ids, strict=True):  # not released in step order
+        stack.pages.release([page], fence=step)
+    assert stack.pages.stats().pending_fences == 4
+    assert stack.pages.retire(5) == 4  # fences 3, 4 and both 5s at once
+    st = stack.pages.stats()
+    assert (st.fenced, st.pending_fences) == (1, 1)
+    assert stack.pages.state(ids[3]) is S.FENCED
+    assert stack.pages.retire(5) == 0 and stack.pages.retire(8) == 0
+    assert stack.pages.state(ids[3]) is S.FENCED and ids[3] in stack.mapped_pages()
+    assert stack.pages.retire(100) == 1
+    assert stack.pages.stats().fenced == 0
+
+
+def test_a_release_behind_a_fence_already_retired_is_not_held_back(stack: MemStack) -> None:
+    ids = stack.pages.acquire(2)
+    assert ids is not None
+    assert stack.pages.retire(10) == 0
+    stack.pages.release(ids[:1], fence=10)  # step 10 has finished: nothing can read it
+    stack.pages.release(ids[1:], fence=11)
+    assert stack.pages.state(ids[0]) in (S.RESERVED, S.UNMAP_QUEUED, S.FREE)
+    assert stack.pages.state(ids[1]) is S.FENCED
+    assert stack.pages.retire(11) == 1
 
 
 def test_trim_drops_the_reserve_until_demand_returns(backend: str) -> None:
@@ -405,3 +436,184 @@ def test_bounds_are_checked(backend: str) -> None:
         assert stack.pages.acquire(0) == []
     finally:
         stack.close()
+
+
+# -- the gate is charged for exactly what the device holds ----------------------------------
+
+
+def device_bytes(stack: MemStack) -> int:
+    """Device memory the mapper's handles hold, from the backend's own books (every live
+    handle but the cache's zero page)."""
+    return (len(stack.vmm.live_handles) - 1) * stack.geometry.page_bytes
+
+
+def test_pooled_handles_stay_charged_and_a_map_from_the_pool_charges_nothing(
+    backend: str,
+) -> None:
+    gate = BudgetGate(limit=0)
+    stack = build_stack(backend, gate=gate, pool_pages=2)
+    pb = stack.pages.page_bytes
+    gate.limit = 3 * pb
+    try:
+        ids = stack.pages.acquire(3)
+        assert ids is not None and gate.held == device_bytes(stack) == 3 * pb
+        stack.pages.release(ids)  # no reserve: all three are unmapped, two handles pooled
+        assert stack.pages.flush()
+        st = stack.pages.stats()
+        assert (st.mapped, st.pooled) == (0, 2)
+        assert gate.held == device_bytes(stack) == st.charged_bytes == 2 * pb
+        assert gate.reserve == 2 * pb  # pooled memory is idle memory
+        again = stack.pages.acquire(3)  # two from the pool, one new: charged once
+        assert again is not None and gate.held == device_bytes(stack) == 3 * pb
+        stack.pages.release(again[:1])
+        assert stack.pages.flush()
+        assert gate.held == device_bytes(stack) == 3 * pb  # one mapped, pooled: still held
+    finally:
+        stack.close()
+    assert gate.held == 0
+
+
+def test_trim_releases_the_pool_and_its_charge(backend: str) -> None:
+    gate = UnlimitedGate()
+    stack = build_stack(backend, gate=gate, pool_pages=2, reserve_min=1, reserve_max=2)
+    try:
+        ids = stack.pages.acquire(4)
+        assert ids is not None
+        stack.pages.release(ids)
+        assert stack.pages.flush()
+        st = stack.pages.stats()
+        assert (st.reserved, st.pooled) == (2, 2) and gate.held == device_bytes(stack)
+        stack.pages.trim()
+        assert stack.pages.flush()
+        st = stack.pages.stats()
+        assert (st.reserved, st.mapped, st.pooled) == (0, 0, 0)
+        assert gate.held == device_bytes(stack) == 0 and gate.reserve == 0
+    finally:
+        stack.close()
+
+
+class _NoIdleMemory(UnlimitedGate):
+    """A gate whose ``reserve_target`` can be lowered to nothing (a lowered limit)."""
+
+    allow = True
+
+    def reserve_target(self, wanted: int) -> int:
+        return wanted if self.allow else 0
+
+
+def test_a_lowered_reserve_target_drops_the_pool_too(backend: str) -> None:
+    gate = _NoIdleMemory()
+    stack = build_stack(backend, gate=gate, pool_pages=2)
+    try:
+        ids = stack.pages.acquire(2)
+        assert ids is not None
+        stack.pages.release(ids)
+        assert stack.pages.flush() and stack.pages.stats().pooled == 2
+        gate.allow = False
+        assert stack.pages.flush()
+        assert stack.pages.stats().pooled == 0
+        assert gate.held == device_bytes(stack) == 0 and gate.reserve == 0
+    finally:
+        stack.close()
+
+
+def test_a_handle_whose_release_failed_stays_charged_until_released(backend: str) -> None:
+    gate = UnlimitedGate()
+    stack = build_stack(backend, gate=gate)
+    try:
+        ids = stack.pages.acquire(2)
+        assert ids is not None
+        # the commit's two releases fail, and on the commit's retry the first one again
+        stack.vmm.fail("release", times=3)
+        stack.pages.release(ids)
+        assert stack.pages.flush()
+        assert stack.mapper.stats()["pending_release"] == 1
+        assert stack.mapped_pages() == set()
+        assert gate.held == device_bytes(stack) == stack.pages.page_bytes
+        stack.pages.trim()  # asks the mapper to retry it
+        assert stack.pages.flush()
+        assert stack.mapper.stats()["pending_release"] == 0
+        assert gate.held == device_bytes(stack) == 0
+    finally:
+        stack.close()
+
+
+def test_a_quarantined_page_stays_charged_for_the_memory_it_holds(backend: str) -> None:
+    gate = UnlimitedGate()
+    stack = build_stack(backend, gate=gate, pool_pages=1)
+    try:
+        stack.vmm.fail("map", nth=2, times=2)  # page 2's map and its rollback both fail
+        assert stack.pages.acquire(2) is None
+        st = stack.pages.stats()
+        assert st.quarantined == 1 and st.mapped == 0
+        assert gate.held == device_bytes(stack) == st.charged_bytes > 0
+        ids = stack.pages.acquire(3)
+        assert ids is not None and gate.held == device_bytes(stack)
+    finally:
+        stack.pages.close()
+        assert gate.held == device_bytes(stack)  # the quarantined handle: held until
+        stack.close()  # the mapper's close releases it
+
+
+def test_two_instances_on_one_ledger_never_hold_more_than_the_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The per-GPU ledger must see pooled handles: instance a's pool is device memory that
+    instance b cannot have."""
+    monkeypatch.setenv(gpu_ledger.DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(gpu_ledger.GROUP_ENV, raising=False)
+    ledger = GpuLedger.open("GPU-pages-test", device_total=1 << 30)
+    stacks: list[MemStack] = []
+    try:
+        gates = [LedgerGate(ledger, name=n, engine="test") for n in ("a", "b")]
+        stacks = [build_stack("host", gate=g, pool_pages=2) for g in gates]
+        a, b = stacks
+        pb = a.pages.page_bytes
+        ledger.set_budget(4 * pb)
+        ids = a.pages.acquire(4)
+        assert ids is not None
+        a.pages.release(ids)
+        assert a.pages.flush()
+        assert device_bytes(a) == gates[0].record().mapped == 2 * pb  # the pool
+        assert b.pages.acquire(3) is None  # only 2 pages are really free
+        got = b.pages.acquire(2)
+        assert got is not None
+        assert sum(device_bytes(s) for s in stacks) == ledger.snapshot().total_mapped == 4 * pb
+        a.pages.trim()  # the gate asks for memory back: the pool goes
+        assert a.pages.flush() and device_bytes(a) == 0
+        assert b.pages.acquire(2) is not None
+        for g, s in zip(gates, stacks, strict=True):
+            assert g.record().mapped == device_bytes(s)
+    finally:
+        for s in stacks:
+            s.close()
+        ledger.close()
+
+
+class _BrokenGate(UnlimitedGate):
+    """A gate whose books went away (e.g. the ledger record was reclaimed under it)."""
+
+    broken = False
+
+    def try_acquire(self, nbytes: int) -> bool:
+        if self.broken:
+            raise LedgerError("record removed under the gate")
+        return super().try_acquire(nbytes)
+
+
+def test_a_failing_gate_fails_the_allocator_and_strands_no_page(backend: str) -> None:
+    gate = _BrokenGate()
+    stack = build_stack(backend, gate=gate)
+    try:
+        ids = stack.pages.acquire(1)
+        assert ids is not None
+        gate.broken = True
+        with pytest.raises(PoolFailed, match="record removed") as err:
+            stack.pages.acquire(2)
+        assert isinstance(err.value.__cause__, LedgerError)
+        assert stack.pages.stats().failed
+        with pytest.raises(PoolFailed):
+            stack.pages.acquire_ids([ids[0] + 1])  # no page waits forever in MAPPING
+        assert all(stack.pages.state(p) is not S.MAPPING for p in range(stack.pages.num_pages))
+    finally:
+        stack.close()  # unmaps everything; asserts no handle is left

@@ -114,6 +114,11 @@ def assert_consistent(vmm: FaultInjector, mapper: LocalPageMapper) -> None:
     assert len(vmm.live_handles) == expected
     if isinstance(vmm.inner, HostBackend):  # the backend's own count agrees
         assert vmm.inner.live_handles == expected
+    # what the page allocator charges its gate: every live handle but the zero page
+    assert mapper.held_bytes == (expected - 1) * cache.geometry.page_bytes
+    assert mapper.pooled_pages == mapper.stats()["pooled_handles"] // (
+        cache.geometry.handles_per_page
+    )
 
 
 def raw_bytes(vmm: FaultInjector, cache: VirtualKVCache, index: int) -> torch.Tensor:
@@ -265,6 +270,9 @@ def test_handles_are_pooled_not_recreated(mapper: LocalPageMapper, vmm: FaultInj
         mapper.commit_unmap([2, 3])
     assert vmm.calls("create") == 0 and vmm.calls("release") == 0
     assert_consistent(vmm, mapper)
+    assert mapper.pooled_pages == 2 and mapper.held_bytes == 2 * mapper.page_bytes
+    mapper.trim_pool(keep_pages=1)
+    assert mapper.pooled_pages == 1 and mapper.held_bytes == mapper.page_bytes
     mapper.trim_pool()
     assert mapper.stats()["pooled_handles"] == 0
     assert len(vmm.live_handles) == 1  # the zero page
@@ -409,6 +417,15 @@ def test_release_failing_leaks_nothing(cache: VirtualKVCache, vmm: FaultInjector
     assert_consistent(vmm, m)
     m.commit_unmap([0])  # a retry is a no-op for the page and releases the handle
     assert m.stats()["pending_release"] == 0
+    assert_consistent(vmm, m)
+    m.map([0])
+    m.prepare_unmap([0])
+    vmm.fail("release")
+    with pytest.raises(InjectedFault):
+        m.commit_unmap([0])
+    assert m.held_bytes == cache.geometry.page_bytes  # one unreleased handle: still held
+    m.trim_pool()  # retries it too
+    assert m.stats()["pending_release"] == 0 and m.held_bytes == 0
     assert_consistent(vmm, m)
     m.map([0])
     m.prepare_unmap([0])
