@@ -9,15 +9,12 @@ are allocated and freed through one ``BlockLedger``. They run on ``host`` and, m
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcore.blocks import BlockLedger
 from kvcore.errors import GeometryError, UnsupportedConfiguration
 from kvcore.families import (
     CacheGroup,
@@ -28,102 +25,22 @@ from kvcore.families import (
     mla_group,
     plan_rows,
 )
-from kvcore.pages import PageAllocator
-from kvcore.tensors import LocalPageMapper, VirtualKVCache
-from kvcore.vmm import open_backend
-from kvcore.vmm.faults import FaultInjector
-from kvcore.vmm.host import HostBackend
-from tests.memstack import BACKENDS, MemStack
+from tests.family_stack import (
+    HOST_GRANULARITY,
+    MiB,
+    granularity,
+    open_stack,
+    pattern,
+    write_and_check,
+)
+from tests.memstack import BACKENDS
 
-MiB = 1 << 20
-HOST_GRANULARITY = 64 << 10
 BF16, F32 = torch.bfloat16, torch.float32
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
-
-
-@dataclass
-class Stack:
-    """A ``MemStack`` on a family layout's geometry, with the one ledger every group uses."""
-
-    mem: MemStack
-    layout: FamilyLayout
-    ledger: BlockLedger
-
-    @property
-    def cache(self) -> VirtualKVCache:
-        return self.mem.cache
-
-    def raw(self, part: int = 0) -> torch.Tensor:
-        """Every byte of virtual range ``part`` (whole pages, the tail included) on the CPU."""
-        va, size = self.cache.ranges[part]
-        self.mem.vmm.synchronize()
-        return self.mem.vmm.as_tensor(va, size, torch.uint8).cpu()
-
-    def mapped(self) -> set[int]:
-        assert self.mem.pages.flush()
-        return self.mem.mapped_pages()
-
-    def close(self) -> None:
-        self.mem.close()  # also proves no handle or mapping is left
-
-
-def granularity(backend: str) -> int:
-    return HOST_GRANULARITY if backend == "host" else 2 * MiB
-
-
-def open_stack(backend: str, layout: FamilyLayout) -> Stack:
-    gran = layout.geometry.granularity
-    if backend == "host":
-        handles = layout.geometry.num_pages * layout.geometry.handles_per_page + 1
-        inner = HostBackend(device_bytes=handles * layout.geometry.page_bytes, granularity=gran)
-    else:
-        inner = open_backend(backend)
-    vmm = FaultInjector(inner)
-    cache = VirtualKVCache(vmm, layout.geometry)
-    mapper = LocalPageMapper(cache, pool_pages=0)  # unmapped pages release their memory
-    pages = PageAllocator(mapper, retry_interval=0.01)
-    mem = MemStack(vmm, layout.geometry, cache, mapper, pages)
-    return Stack(mem, layout, BlockLedger(layout.geometry, pages))
-
-
-@pytest.fixture
-def stacks() -> Iterator[list[Stack]]:
-    opened: list[Stack] = []
-    yield opened
-    for s in opened:
-        s.close()
-
-
-def pattern(view: torch.Tensor, block: int, salt: int) -> torch.Tensor:
-    """Distinct values for ``view[block]`` (exact in bf16: small integers)."""
-    n = math.prod(view.shape[1:])
-    vals = (torch.arange(n, dtype=torch.int64) * 7 + block * 13 + salt * 101) % 251 + 1
-    return vals.reshape(view.shape[1:]).to(view.dtype).to(view.device)
-
-
-def raw_state(s: Stack, layer: str, role: str, block: int) -> torch.Tensor:
-    """The bytes of ``role`` of ``layer`` in ``block``, read from the raw range at the address
-    the layout promises, reinterpreted as the state's dtype and shape."""
-    p = s.layout.place(layer, role)
-    start = block * s.layout.geometry.block_bytes + p.offset
-    nbytes = math.prod(p.shape) * torch.empty(0, dtype=p.dtype).element_size()
-    return s.raw(p.part)[start : start + nbytes].view(p.dtype).reshape(p.shape)
-
-
-def write_and_check(s: Stack, layers_roles: list[tuple[str, str]], blocks: list[int]) -> None:
-    views = {key: s.layout.view(s.cache, *key) for key in layers_roles}
-    for salt, view in enumerate(views.values()):
-        for b in blocks:
-            view[b] = pattern(view, b, salt)
-    for salt, (key, view) in enumerate(views.items()):
-        for b in blocks:
-            expected = pattern(view, b, salt).cpu()
-            assert torch.equal(view[b].cpu(), expected), (key, b)
-            assert torch.equal(raw_state(s, *key, b), expected), (key, b)
 
 
 # -- plan_rows: the alignment policy ----------------------------------------------------------
@@ -206,47 +123,45 @@ def deepseek_mla(layers: int, block_size: int) -> CacheGroup:
 
 
 @pytest.mark.parametrize("layout", ["compound", "per-layer"])
-def test_mla_views_are_one_latent_per_layer(backend: str, layout: str, stacks: list[Stack]) -> None:
+def test_mla_views_are_one_latent_per_layer(backend: str, layout: str) -> None:
     group = deepseek_mla(layers=3, block_size=16)
     fam = FamilyLayout([group], num_blocks=40, granularity=granularity(backend), layout=layout)  # type: ignore[arg-type]
     g = fam.geometry
     assert g.kv_buffers == 1 and fam.plan.padding == 0
     assert g.num_layers == (1 if layout == "compound" else 3)
     assert g.block_bytes == (3 if layout == "compound" else 1) * 16 * 1152
-    s = open_stack(backend, fam)
-    stacks.append(s)
-    views = [fam.view(s.cache, layer, "latent") for layer in group.layers]
-    assert all(v.shape == (40, 16, 1, 576) and v.dtype == BF16 for v in views)
-    pointers = [v.data_ptr() for v in views]
-    blocks = s.ledger.alloc(6)
-    assert blocks is not None
-    write_and_check(s, [(layer, "latent") for layer in group.layers], blocks)
-    s.ledger.free(blocks)
-    assert s.mapped() == set()
-    assert [v.data_ptr() for v in views] == pointers  # stable across map and unmap
-    assert all(
-        fam.view(s.cache, ly, "latent").data_ptr() == p
-        for ly, p in zip(group.layers, pointers, strict=True)
-    )
+    with open_stack(backend, fam) as s:
+        views = [fam.view(s.cache, layer, "latent") for layer in group.layers]
+        assert all(v.shape == (40, 16, 1, 576) and v.dtype == BF16 for v in views)
+        pointers = [v.data_ptr() for v in views]
+        blocks = s.ledger.alloc(6)
+        assert blocks is not None
+        write_and_check(s, [(layer, "latent") for layer in group.layers], blocks)
+        s.ledger.free(blocks)
+        assert s.mapped() == set()
+        assert [v.data_ptr() for v in views] == pointers  # stable across map and unmap
+        assert all(
+            fam.view(s.cache, ly, "latent").data_ptr() == p
+            for ly, p in zip(group.layers, pointers, strict=True)
+        )
 
 
-def test_mla_padded_row_leaves_the_padding_untouched(stacks: list[Stack]) -> None:
+def test_mla_padded_row_leaves_the_padding_untouched() -> None:
     group = deepseek_mla(layers=3, block_size=16)  # a 55296-byte compound row
     fam = FamilyLayout(
         [group], num_blocks=10, granularity=HOST_GRANULARITY, max_page_bytes=HOST_GRANULARITY
     )
     assert (fam.plan.row_bytes, fam.plan.row_stride) == (55296, 65536)
-    s = open_stack("host", fam)
-    stacks.append(s)
-    blocks = s.ledger.alloc(3)
-    assert blocks is not None
-    for layer in group.layers:
-        fam.view(s.cache, layer, "latent")[blocks] = 1.0
-    raw = s.raw()
-    for b in blocks:
-        row = raw[b * 65536 : (b + 1) * 65536]
-        assert bool((row[:55296].view(BF16) == 1.0).all())
-        assert not bool(row[55296:].any())  # padding is never written
+    with open_stack("host", fam) as s:
+        blocks = s.ledger.alloc(3)
+        assert blocks is not None
+        for layer in group.layers:
+            fam.view(s.cache, layer, "latent")[blocks] = 1.0
+        raw = s.raw()
+        for b in blocks:
+            row = raw[b * 65536 : (b + 1) * 65536]
+            assert bool((row[:55296].view(BF16) == 1.0).all())
+            assert not bool(row[55296:].any())  # padding is never written
 
 
 def test_mla_with_two_buffers_is_refused() -> None:
@@ -271,7 +186,7 @@ def gemma_groups(block_size: int = 16) -> list[CacheGroup]:
 
 @pytest.mark.parametrize("layout", ["compound", "per-layer"])
 def test_hybrid_groups_overlay_one_block_row_and_share_one_ledger(
-    backend: str, layout: str, stacks: list[Stack]
+    backend: str, layout: str
 ) -> None:
     groups = gemma_groups()
     cell = 2 * 16 * 128 * 2
@@ -284,27 +199,26 @@ def test_hybrid_groups_overlay_one_block_row_and_share_one_ledger(
             (fam.place(g.layers[i], "kv").part, fam.place(g.layers[i], "kv").offset) for g in groups
         }
         assert len(spots) == 1
-    s = open_stack(backend, fam)
-    stacks.append(s)
-    per_group = [s.ledger.alloc(5) for _ in groups]  # one ledger serves every group
-    assert all(b is not None for b in per_group)
-    owned = [set(b or []) for b in per_group]
-    assert not (owned[0] & owned[1]) and not (owned[1] & owned[2])
-    for group, blocks in zip(groups, per_group, strict=True):
-        assert blocks is not None
-        write_and_check(s, [(layer, "kv") for layer in group.layers], blocks)
-    # writes of groups 1 and 2 did not touch group 0's blocks
-    for salt, layer in enumerate(groups[0].layers):
-        view = fam.view(s.cache, layer, "kv")
-        for b in per_group[0] or []:
-            assert torch.equal(view[b].cpu(), pattern(view, b, salt).cpu())
-    # a page stays mapped while any group still holds a block on it
-    shared = {s.ledger.page_of(b) for b in owned[0]} & {s.ledger.page_of(b) for b in owned[1]}
-    s.ledger.free(per_group[0] or [])
-    assert shared <= s.mapped()
-    s.ledger.free(per_group[1] or [])
-    s.ledger.free(per_group[2] or [])
-    assert s.mapped() == set()
+    with open_stack(backend, fam) as s:
+        per_group = [s.ledger.alloc(5) for _ in groups]  # one ledger serves every group
+        assert all(b is not None for b in per_group)
+        owned = [set(b or []) for b in per_group]
+        assert not (owned[0] & owned[1]) and not (owned[1] & owned[2])
+        for group, blocks in zip(groups, per_group, strict=True):
+            assert blocks is not None
+            write_and_check(s, [(layer, "kv") for layer in group.layers], blocks)
+        # writes of groups 1 and 2 did not touch group 0's blocks
+        for salt, layer in enumerate(groups[0].layers):
+            view = fam.view(s.cache, layer, "kv")
+            for b in per_group[0] or []:
+                assert torch.equal(view[b].cpu(), pattern(view, b, salt).cpu())
+        # a page stays mapped while any group still holds a block on it
+        shared = {s.ledger.page_of(b) for b in owned[0]} & {s.ledger.page_of(b) for b in owned[1]}
+        s.ledger.free(per_group[0] or [])
+        assert shared <= s.mapped()
+        s.ledger.free(per_group[1] or [])
+        s.ledger.free(per_group[2] or [])
+        assert s.mapped() == set()
 
 
 def test_hybrid_mixed_cells_fit_compound_but_not_per_layer() -> None:
@@ -347,15 +261,14 @@ def test_group_validation_names_the_problem(kwargs: dict[str, object], error: ty
         CacheGroup(**args)  # type: ignore[arg-type]
 
 
-def test_views_refuse_a_cache_of_another_geometry(stacks: list[Stack]) -> None:
+def test_views_refuse_a_cache_of_another_geometry() -> None:
     fam = FamilyLayout(gemma_groups(), num_blocks=16, granularity=HOST_GRANULARITY)
     other = FamilyLayout(gemma_groups(), num_blocks=32, granularity=HOST_GRANULARITY)
-    s = open_stack("host", other)
-    stacks.append(s)
-    with pytest.raises(GeometryError, match=r"FamilyLayout\.geometry"):
-        fam.view(s.cache, "full.0", "kv")
-    with pytest.raises(KeyError, match="has: \\['kv'\\]"):
-        other.view(s.cache, "full.0", "latent")
+    with open_stack("host", other) as s:
+        with pytest.raises(GeometryError, match=r"FamilyLayout\.geometry"):
+            fam.view(s.cache, "full.0", "kv")
+        with pytest.raises(KeyError, match="has: \\['kv'\\]"):
+            other.view(s.cache, "full.0", "latent")
 
 
 # -- Mamba: conv + SSM state cells, one per slot ----------------------------------------------
@@ -369,9 +282,7 @@ def mamba(layers: int = 2) -> CacheGroup:
 
 
 @pytest.mark.parametrize("layout", ["compound", "per-layer"])
-def test_mamba_cells_fill_and_drain_pages_with_a_partial_tail(
-    backend: str, layout: str, stacks: list[Stack]
-) -> None:
+def test_mamba_cells_fill_and_drain_pages_with_a_partial_tail(backend: str, layout: str) -> None:
     group = mamba()
     assert group.offsets == (0, 576) and group.cell_bytes == 6720
     gran = granularity(backend)
@@ -392,27 +303,26 @@ def test_mamba_cells_fill_and_drain_pages_with_a_partial_tail(
             start = slot * g.block_bytes + p.offset
             end = start + math.prod(p.shape) * torch.empty(0, dtype=p.dtype).element_size()
             assert start // g.page_bytes == (end - 1) // g.page_bytes
-    s = open_stack(backend, fam)
-    stacks.append(s)
-    conv = fam.view(s.cache, "mamba.1", "conv")
-    ssm = fam.view(s.cache, "mamba.1", "ssm")
-    assert conv.shape == (slots, 96, 3) and ssm.shape == (slots, 4, 16, 24)
-    assert not bool(ssm[slots - 1].any())  # unbacked slots read as zeros
-    first = s.ledger.alloc(rpp)
-    assert first is not None and len(s.mapped()) == 1
-    rest = s.ledger.alloc(slots - rpp)
-    assert rest is not None and s.mapped() == {0, 1, 2}
-    assert s.ledger.alloc(1) is None and s.ledger.available() == 0  # capacity is slots
-    tail = [slots - 1, slots - 2, rpp]
-    keys = [(layer, role) for layer in group.layers for role in ("conv", "ssm")]
-    write_and_check(s, keys, tail)
-    # bytes of the last page beyond the last slot stay untouched (no view reaches them)
-    for part in range(len(s.cache.ranges)):
-        assert not bool(s.raw(part)[slots * g.block_bytes :].any())
-    s.ledger.free(first)
-    assert s.mapped() == {1, 2}
-    s.ledger.free(rest)
-    assert s.mapped() == set()
+    with open_stack(backend, fam) as s:
+        conv = fam.view(s.cache, "mamba.1", "conv")
+        ssm = fam.view(s.cache, "mamba.1", "ssm")
+        assert conv.shape == (slots, 96, 3) and ssm.shape == (slots, 4, 16, 24)
+        assert not bool(ssm[slots - 1].any())  # unbacked slots read as zeros
+        first = s.ledger.alloc(rpp)
+        assert first is not None and len(s.mapped()) == 1
+        rest = s.ledger.alloc(slots - rpp)
+        assert rest is not None and s.mapped() == {0, 1, 2}
+        assert s.ledger.alloc(1) is None and s.ledger.available() == 0  # capacity is slots
+        tail = [slots - 1, slots - 2, rpp]
+        keys = [(layer, role) for layer in group.layers for role in ("conv", "ssm")]
+        write_and_check(s, keys, tail)
+        # bytes of the last page beyond the last slot stay untouched (no view reaches them)
+        for part in range(len(s.cache.ranges)):
+            assert not bool(s.raw(part)[slots * g.block_bytes :].any())
+        s.ledger.free(first)
+        assert s.mapped() == {1, 2}
+        s.ledger.free(rest)
+        assert s.mapped() == set()
 
 
 def test_states_are_aligned_to_their_dtype() -> None:
@@ -424,7 +334,7 @@ def test_states_are_aligned_to_their_dtype() -> None:
     assert fam.plan.row_stride % 8 == 0
 
 
-def test_hybrid_attention_and_mamba_share_a_padded_cell(stacks: list[Stack]) -> None:
+def test_hybrid_attention_and_mamba_share_a_padded_cell() -> None:
     attn = attention_group(["a0", "a1"], block_size=32, num_kv_heads=2, head_size=64, dtype=BF16)
     mam = mamba(layers=2)
     padded = mamba_group(
@@ -436,9 +346,8 @@ def test_hybrid_attention_and_mamba_share_a_padded_cell(stacks: list[Stack]) -> 
         [attn, padded], num_blocks=20, granularity=HOST_GRANULARITY, layout="per-layer"
     )
     assert fam.plan.row_bytes == attn.stride == 16384
-    s = open_stack("host", fam)
-    stacks.append(s)
-    a_blocks, m_slots = s.ledger.alloc(3), s.ledger.alloc(2)
-    assert a_blocks is not None and m_slots is not None
-    write_and_check(s, [("a0", "kv"), ("a1", "kv")], a_blocks)
-    write_and_check(s, [("mamba.0", "conv"), ("mamba.1", "ssm")], m_slots)
+    with open_stack("host", fam) as s:
+        a_blocks, m_slots = s.ledger.alloc(3), s.ledger.alloc(2)
+        assert a_blocks is not None and m_slots is not None
+        write_and_check(s, [("a0", "kv"), ("a1", "kv")], a_blocks)
+        write_and_check(s, [("mamba.0", "conv"), ("mamba.1", "ssm")], m_slots)

@@ -1,0 +1,339 @@
+"""kvcore's model-family layouts built from vLLM 0.33.0's real KV-cache specs and planner.
+
+Runs in the ``test-vllm-*`` nox session (vLLM installed, no GPU); skips elsewhere. The specs
+(``FullAttentionSpec``, ``SlidingWindowSpec``, ``MLAAttentionSpec``, ``MambaSpec``) are built
+directly, Mamba state shapes come from vLLM's own ``MambaStateShapeCalculator``, and groups and
+tensor placement from vLLM's real planner (``get_kv_cache_groups``,
+``get_kv_cache_config_from_groups``, block-outermost ``BLHNC``). The tests prove:
+
+* every spec's ``page_size_bytes`` is kvcore's cell stride (unpadded: the packed cell);
+* kvcore's row and per-layer offsets are exactly vLLM's ``KVCacheTensor`` strides and offsets;
+* vLLM's own ``create_kv_cache_views`` over kvcore's virtual buffer alias kvcore's views
+  (written through one, read through the other), on the host backend's real mappings;
+* a padded kvcore row stride reaches vLLM through the spec's ``block_stride_alignment``.
+
+``kvcore_groups`` is the spec translation the vLLM adapter should adopt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from kvcore.errors import UnsupportedConfiguration
+from kvcore.families import CacheGroup, FamilyLayout, attention_group, mamba_group, mla_group
+from tests.family_stack import HOST_GRANULARITY, MiB, Stack, open_stack, pattern
+
+iface = pytest.importorskip(
+    "vllm.v1.kv_cache_interface",
+    reason="vLLM is not installed here: the test-vllm-* nox sessions run these tests",
+)
+planning = pytest.importorskip("vllm.v1.core.kv_cache_planning")
+mamba_utils = pytest.importorskip("vllm.model_executor.layers.mamba.mamba_utils")
+
+BF16 = torch.bfloat16
+LAYOUT = "BLHNC"  # block-outermost: one block id is one row of every layer's page
+
+
+# -- the translation the adapter adopts ------------------------------------------------------
+
+
+def kvcore_groups(kv_cache_groups: Sequence[Any]) -> list[CacheGroup]:
+    """kvcore ``CacheGroup`` s for vLLM's ``KVCacheGroupSpec`` list, in vLLM's group order.
+    Raises ``UnsupportedConfiguration`` naming a spec class kvcore has no layout for."""
+    return [_group(tuple(g.layer_names), g.kv_cache_spec) for g in kv_cache_groups]
+
+
+def _group(layers: tuple[str, ...], spec: Any) -> CacheGroup:
+    if isinstance(spec, iface.UniformTypeKVCacheSpecs):
+        inner = set(spec.kv_cache_specs.values())
+        if len(inner) != 1:
+            raise UnsupportedConfiguration(
+                f"vLLM KV cache group {layers} packs layers of {len(inner)} different specs",
+                hint="elastic KV supports groups whose layers share one spec",
+            )
+        spec = inner.pop()
+    kind = type(spec)
+    if kind is iface.MambaSpec:
+        roles = ("conv", "ssm") if len(spec.shapes) == 2 else ()
+        roles = roles or tuple(f"state{i}" for i in range(len(spec.shapes)))
+        states = zip(roles, spec.shapes, spec.dtypes, strict=True)
+        return mamba_group(
+            layers, states=states, block_size=spec.block_size, cell_stride=spec.page_size_bytes
+        )
+    if kind not in (iface.FullAttentionSpec, iface.SlidingWindowSpec, iface.MLAAttentionSpec):
+        raise UnsupportedConfiguration(
+            f"vLLM KV cache spec {kind.__name__} has no kvcore layout",
+            hint="elastic KV supports FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec "
+            "and MambaSpec groups",
+        )
+    if (
+        spec.kv_quant_mode != iface.KVQuantMode.NONE
+        or spec.num_head_slots is not None
+        or spec.state_content_bytes is not None
+        or spec.tokens_per_state != 1
+    ):
+        raise UnsupportedConfiguration(
+            f"vLLM {kind.__name__} with a packed or quantized page (kv_quant_mode="
+            f"{spec.kv_quant_mode.name}, tokens_per_state={spec.tokens_per_state})",
+            hint="elastic KV supports dense K/V and latent pages",
+        )
+    common = {"block_size": spec.block_size, "dtype": spec.dtype}
+    if kind is iface.MLAAttentionSpec:
+        assert spec.num_kv_heads == 1, spec
+        return mla_group(
+            layers, latent_dim=spec.head_size, cell_stride=spec.page_size_bytes, **common
+        )
+    return attention_group(
+        layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_size=spec.head_size,
+        head_size_v=spec.head_size_v,
+        # a FullAttentionSpec with a window (hybrid manager off) keeps every block
+        sliding_window=spec.sliding_window if kind is iface.SlidingWindowSpec else None,
+        cell_stride=spec.page_size_bytes,
+        **common,
+    )
+
+
+# -- vLLM's planner --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_config() -> Any:
+    from vllm.config import DeviceConfig, VllmConfig
+
+    # the planner never touches a device; naming one skips vLLM's platform detection
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    config.cache_config.kv_cache_layout = LAYOUT
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False  # the hybrid allocator
+    return config
+
+
+def plan(config: Any, specs: dict[str, Any], memory: int) -> Any:
+    """vLLM's own ``KVCacheConfig`` for ``specs`` in ``memory`` bytes."""
+    groups = planning.get_kv_cache_groups(config, specs)
+    return planning.get_kv_cache_config_from_groups(config, groups, memory)
+
+
+def assert_same_placement(fam: FamilyLayout, kv_config: Any) -> None:
+    """kvcore's row and offsets are vLLM's block stride and tensor offsets."""
+    strides = {t.block_stride for t in kv_config.kv_cache_tensors}
+    assert strides == {fam.plan.row_stride}
+    for tensor in kv_config.kv_cache_tensors:
+        for i, layer in enumerate(tensor.layers):
+            first = fam.place(layer, fam.groups[fam.group_of(layer)].cell[0].role)
+            assert (first.part, first.offset) == (0, tensor.offset + i * tensor.layer_stride)
+
+
+def vllm_views(s: Stack, kv_config: Any) -> dict[str, torch.Tensor]:
+    """vLLM's own per-layer views over kvcore's virtual buffer (the flat ``int8`` buffer the
+    adapter hands ``allocate_kv_cache``)."""
+    g = s.layout.geometry
+    raw = s.cache.view(0, 0, torch.int8, (g.block_bytes,)).reshape(-1)
+    layout = iface.KVCacheLayout[LAYOUT]
+    out: dict[str, torch.Tensor] = {}
+    specs = {
+        name: grp.kv_cache_spec for grp in kv_config.kv_cache_groups for name in grp.layer_names
+    }
+    for tensor in kv_config.kv_cache_tensors:
+        spec = specs[tensor.layers[0]]
+        if isinstance(spec, iface.UniformTypeKVCacheSpecs):
+            spec = spec.kv_cache_specs[tensor.layers[0]]
+        views = iface.create_kv_cache_views(raw, spec, kv_config.num_blocks, layout, tensor)
+        out.update(zip(tensor.layers, views, strict=True))
+    return out
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
+def cross_check(s: Stack, kv_config: Any, blocks: Sequence[int]) -> None:
+    """Write every state of every layer through kvcore's views for ``blocks``; vLLM's views of
+    the same layer read the same bytes at the same addresses."""
+    theirs = vllm_views(s, kv_config)
+    fam = s.layout
+    for salt, p in enumerate(fam.placements):
+        view = fam.view(s.cache, p.layer, p.role)
+        their = theirs[p.layer]
+        assert their.shape[0] == view.shape[0] == kv_config.num_blocks
+        start = p.offset - fam.place(p.layer, fam.groups[p.group].cell[0].role).offset
+        nbytes = math.prod(p.shape) * view.element_size()
+        for b in blocks:
+            view[b] = pattern(view, b, salt)
+            assert torch.equal(as_bytes(their[b])[start : start + nbytes], as_bytes(view[b]))
+            addr = their[b].data_ptr() + start
+            assert addr == view[b].data_ptr()
+
+
+# -- specs: page sizes agree -----------------------------------------------------------------
+
+
+def mamba2_spec(block_size: int = 16) -> Any:
+    calc = mamba_utils.MambaStateShapeCalculator
+    shapes = calc.mamba2_state_shape(
+        tp_world_size=1,
+        intermediate_size=256,
+        n_groups=1,
+        num_heads=8,
+        head_dim=32,
+        state_size=16,
+        conv_kernel=4,
+    )
+    return iface.MambaSpec(block_size=block_size, shapes=shapes, dtypes=(BF16, torch.float32))
+
+
+def gdn_spec() -> Any:
+    calc = mamba_utils.MambaStateShapeCalculator
+    shapes = calc.gated_delta_net_state_shape(1, 4, 8, 32, 32, 4)
+    return iface.MambaSpec(
+        block_size=64,
+        shapes=shapes,
+        dtypes=(BF16, torch.float32),
+        mamba_type=iface.MambaAttentionBackendEnum.GDN_ATTN,
+    )
+
+
+SPECS = {
+    "full": lambda: iface.FullAttentionSpec(
+        block_size=16, num_kv_heads=8, head_size=128, dtype=BF16
+    ),
+    "full-windowed": lambda: iface.FullAttentionSpec(
+        block_size=16, num_kv_heads=4, head_size=64, dtype=BF16, sliding_window=1024
+    ),
+    "sliding": lambda: iface.SlidingWindowSpec(
+        block_size=32, num_kv_heads=4, head_size=256, dtype=BF16, sliding_window=4096
+    ),
+    "mla-deepseek": lambda: iface.MLAAttentionSpec(
+        block_size=64, num_kv_heads=1, head_size=512 + 64, dtype=BF16
+    ),
+    "mla-aligned": lambda: iface.MLAAttentionSpec(
+        block_size=64, num_kv_heads=1, head_size=576, dtype=BF16, alignment=1 << 17
+    ),
+    "mamba2": mamba2_spec,
+    "gdn": gdn_spec,
+}
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_every_spec_page_size_is_the_kvcore_cell(name: str) -> None:
+    spec = SPECS[name]()
+    (group,) = kvcore_groups([iface.KVCacheGroupSpec(["layer.0"], spec)])
+    assert group.cell_bytes == spec.real_page_size_bytes
+    assert group.stride == spec.page_size_bytes
+    if name == "mla-deepseek":
+        assert group.kind == "mla" and group.cell[0].shape == (64, 1, 576)
+        assert spec.page_size_bytes == 64 * 576 * 2
+    if name == "mla-aligned":
+        assert group.stride == 1 << 17 > group.cell_bytes  # vLLM's padded page, kept
+    if name == "sliding":
+        assert group.kind == "sliding_window" and group.sliding_window == 4096
+    if name == "full-windowed":
+        assert group.kind == "attention" and group.sliding_window is None
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        lambda: iface.CrossAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=BF16),
+        lambda: iface.ChunkedLocalAttentionSpec(
+            block_size=16, num_kv_heads=2, head_size=64, dtype=BF16, attention_chunk_size=256
+        ),
+        lambda: iface.FullAttentionSpec(
+            block_size=16,
+            num_kv_heads=2,
+            head_size=64,
+            dtype=torch.uint8,
+            kv_quant_mode=iface.KVQuantMode.FP8_PER_TENSOR,
+        ),
+    ],
+    ids=["cross-attention", "chunked-local", "fp8"],
+)
+def test_unsupported_specs_are_named(spec: Any) -> None:
+    built = spec()
+    with pytest.raises(UnsupportedConfiguration, match=type(built).__name__):
+        kvcore_groups([iface.KVCacheGroupSpec(["layer.0"], built)])
+
+
+# -- real planner, real views ----------------------------------------------------------------
+
+
+def test_gemma_hybrid_matches_vllm_and_its_views_alias_ours(vllm_config: Any) -> None:
+    full = iface.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=BF16)
+    window = iface.SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=BF16, sliding_window=512
+    )
+    specs = {f"model.layers.{i}.attn": full if i % 3 == 2 else window for i in range(6)}
+    kv_config = plan(vllm_config, specs, 2 * MiB)
+    assert len(kv_config.kv_cache_groups) == 3  # (sw, sw), (sw, sw), (full, full)
+    groups = kvcore_groups(kv_config.kv_cache_groups)
+    assert [g.kind for g in groups].count("sliding_window") == 2
+    fam = FamilyLayout(groups, num_blocks=kv_config.num_blocks, granularity=HOST_GRANULARITY)
+    assert fam.plan.padding == 0
+    assert_same_placement(fam, kv_config)
+    with open_stack("host", fam) as s:
+        blocks = [s.ledger.alloc(3) for _ in groups]  # one ledger, every group draws from it
+        assert all(b is not None for b in blocks)
+        cross_check(s, kv_config, [b for got in blocks for b in got or []])
+
+
+def test_attention_mamba_hybrid_matches_vllm(vllm_config: Any) -> None:
+    full = iface.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=BF16)
+    specs = {"l0.attn": full, "l1.mixer": mamba2_spec(), "l2.mixer": mamba2_spec(), "l3.attn": full}
+    kv_config = plan(vllm_config, specs, 2 * MiB)
+    groups = kvcore_groups(kv_config.kv_cache_groups)
+    assert sorted(g.kind for g in groups) == ["attention", "mamba", "mamba"]
+    fam = FamilyLayout(groups, num_blocks=kv_config.num_blocks, granularity=HOST_GRANULARITY)
+    assert_same_placement(fam, kv_config)
+    # the Mamba cell (conv + SSM, one per slot) is the largest page: it sets the row
+    assert fam.plan.row_bytes == mamba2_spec().page_size_bytes
+    with open_stack("host", fam) as s:
+        slots = s.ledger.alloc(kv_config.num_blocks)  # every slot, the last page's tail too
+        assert slots is not None and s.ledger.alloc(1) is None
+        cross_check(s, kv_config, [0, kv_config.num_blocks // 2, kv_config.num_blocks - 1])
+
+
+def test_deepseek_mla_padded_row_reaches_vllm_through_block_stride_alignment(
+    vllm_config: Any,
+) -> None:
+    mla = iface.MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=BF16)
+    specs = {f"model.layers.{i}.self_attn": mla for i in range(61)}
+    kv_config = plan(vllm_config, specs, 40 * MiB)
+    (tensor,) = kv_config.kv_cache_tensors
+    assert tensor.block_stride == 61 * 64 * 1152  # vLLM's dense row: 4497408 bytes
+    fam = FamilyLayout(
+        kvcore_groups(kv_config.kv_cache_groups),
+        num_blocks=kv_config.num_blocks,
+        granularity=2 * MiB,
+    )
+    assert (fam.plan.row_stride, fam.plan.page_bytes) == (4718592, 18 * MiB)
+    # the adapter's seam: tell vLLM the stride through every spec's block_stride_alignment
+    padded = [
+        dataclasses.replace(
+            g,
+            kv_cache_spec=dataclasses.replace(
+                g.kv_cache_spec, block_stride_alignment=fam.plan.row_stride
+            ),
+        )
+        for g in kv_config.kv_cache_groups
+    ]
+    kv_padded = planning.get_kv_cache_config_from_groups(vllm_config, padded, 40 * MiB)
+    assert kv_padded.num_blocks == 40 * MiB // 4718592
+    fam = FamilyLayout(
+        kvcore_groups(kv_padded.kv_cache_groups),
+        num_blocks=kv_padded.num_blocks,
+        granularity=2 * MiB,
+    )
+    assert_same_placement(fam, kv_padded)
+    with open_stack("host", fam) as s:
+        block = s.ledger.alloc(1)
+        assert block is not None
+        cross_check(s, kv_padded, block)
+        view = fam.view(s.cache, "model.layers.60.self_attn", "latent")
+        assert view.shape == (kv_padded.num_blocks, 64, 1, 576) and view.stride(0) == 4718592 // 2
