@@ -1,0 +1,127 @@
+"""``WorkerListener`` driven frame by frame by a raw coordinator connection, over a real
+host-backed ``LocalPageMapper`` in this process: the transaction rules hold end to end
+(retransmits are no-ops, a prepare after its abort is refused, commit is idempotent), CLOSE
+closes the mapper, and one rank is served by one listener."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvcore.channel import ChannelDirectory, WorkerListener
+from kvcore.channel.messages import (
+    FrameReader,
+    Hello,
+    Op,
+    Reply,
+    Request,
+    Welcome,
+    recv_message,
+    send_message,
+)
+from kvcore.errors import ChannelError
+from kvcore.geometry import KVGeometry
+from kvcore.tensors import LocalPageMapper, PageState, VirtualKVCache
+from kvcore.vmm import open_backend
+
+GRAN = 64 << 10
+
+
+@pytest.fixture
+def mapper() -> Iterator[LocalPageMapper]:
+    backend = open_backend("host", device_bytes=16 << 20, granularity=GRAN)
+    geometry = KVGeometry(
+        num_layers=2,
+        kv_buffers=2,
+        block_bytes=4096,
+        num_blocks=32,
+        page_bytes=GRAN,
+        granularity=GRAN,
+    )
+    cache = VirtualKVCache(backend, geometry)
+    local = LocalPageMapper(cache)
+    yield local
+    local.close()
+    cache.close()
+    backend.close()
+
+
+@pytest.fixture
+def directory() -> Iterator[ChannelDirectory]:
+    base = Path(tempfile.mkdtemp(prefix="kvc"))
+    channel_dir = ChannelDirectory.create(base)
+    yield channel_dir
+    channel_dir.remove()
+    shutil.rmtree(base, ignore_errors=True)
+
+
+class _Session:
+    def __init__(self, path: Path, rank: int) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(10)
+        self.sock.connect(str(path))
+        self.reader = FrameReader()
+        send_message(self.sock, Hello(rank=rank, world_size=1, instance="test"))
+        self.welcome = recv_message(self.sock, self.reader)
+
+    def ask(self, op: Op, txn: int, *pages: int) -> Reply:
+        send_message(self.sock, Request(op, txn, pages))
+        reply = recv_message(self.sock, self.reader)
+        assert isinstance(reply, Reply) and (reply.op, reply.txn) == (op, txn)
+        return reply
+
+
+def test_transaction_rules_end_to_end(mapper: LocalPageMapper, directory: ChannelDirectory) -> None:
+    listener = WorkerListener(mapper, rank=0, channel_dir=directory.path).start()
+    session = _Session(listener.path, 0)
+    assert session.welcome == Welcome(0, session.welcome.pid, 8, GRAN)
+
+    assert session.ask(Op.MAP, 1, 0, 1).ok
+    assert session.ask(Op.MAP, 1, 0, 1).ok  # retransmit: applied once
+    assert [mapper.state(p) for p in (0, 1)] == [PageState.MAPPED] * 2
+
+    assert session.ask(Op.ABORT, 2, 0).ok  # the abort overtook its prepare
+    late = session.ask(Op.PREPARE, 2, 0)
+    assert late.error is not None and late.error.type == "TransactionRefused"
+    assert "prepare after its abort" in late.error.message
+    assert mapper.state(0) is PageState.MAPPED  # refused: nothing changed
+
+    assert session.ask(Op.PREPARE, 3, 0).ok
+    assert mapper.state(0) is PageState.PREPARED
+    assert session.ask(Op.COMMIT, 3, 0).ok
+    assert session.ask(Op.COMMIT, 3, 0).ok  # idempotent
+    assert mapper.state(0) is PageState.UNBACKED
+
+    error = session.ask(Op.MAP, 4, 1).error  # already mapped: the mapper refuses
+    assert error is not None and error.type == "InvalidTransition"
+
+    assert session.ask(Op.MAP, 6, 2, 3).ok
+    assert session.ask(Op.UNDO_MAP, 6).ok  # the rollback of a map on another worker's failure
+    assert [mapper.state(p) for p in (2, 3)] == [PageState.UNBACKED] * 2
+    late = session.ask(Op.MAP, 6, 2, 3)
+    assert late.error is not None and late.error.type == "TransactionRefused"
+    assert mapper.held_bytes == GRAN  # page 1 only: no pooled handle kept
+
+    assert session.ask(Op.CLOSE, 5).ok
+    assert listener.wait_closed(5)
+    assert recv_message(session.sock, session.reader) is None  # session ended
+    listener.close()
+    assert not listener.path.exists()
+    session.sock.close()
+
+
+def test_one_listener_per_rank(mapper: LocalPageMapper, directory: ChannelDirectory) -> None:
+    first = WorkerListener(mapper, rank=0, channel_dir=directory.path).start()
+    with pytest.raises(ChannelError, match="served by another live listener"):
+        WorkerListener(mapper, rank=0, channel_dir=directory.path).start()
+    first.close()
+    stale = WorkerListener(mapper, rank=1, channel_dir=directory.path)
+    stale.path.touch()  # left behind by a dead listener
+    stale.start()
+    assert _Session(stale.path, 1).welcome is not None
+    stale.close()
