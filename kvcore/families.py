@@ -30,7 +30,9 @@ Layouts (``layout=``)
     ``compound``: one virtual range; a row holds parts 0..n-1 back to back, layer i of group
     g at ``i * g.stride`` (vLLM's block-outermost layouts such as ``BLHNC``, exactly as
     ``get_kv_cache_config_from_groups`` places them). Geometry: ``KVGeometry(num_layers=1,
-    kv_buffers=1, block_bytes=row_stride, layout="compound")``: one handle per page id.
+    kv_buffers=1, block_bytes=row_stride, layout="compound")``: one handle per page id. A
+    ``state_major`` group instead lays each state out for all its layers together (SGLang
+    0.5.23's Mamba slot envelope: ``[conv x layers][ssm x layers]`` per slot).
     ``per-layer``: one virtual range per part, a row is one cell (SGLang's per-layer pools,
     vLLM's layer-outermost layouts). Geometry: ``KVGeometry(num_layers=parts, kv_buffers=1,
     block_bytes=row_stride, layout="per-layer")``. Every group must then have the same cell
@@ -132,7 +134,10 @@ class CacheGroup:
 
     ``cell`` is what each layer stores per block id. ``block_size`` is tokens per block
     (Mamba: tokens one state cell stands for; informational). ``cell_stride`` is the
-    engine's padded per-layer page (default: the packed cell). Raises
+    engine's padded per-layer page (default: the packed cell). ``state_major`` (compound
+    rows only) lays out each state for all layers together, ``[conv x layers][ssm x
+    layers]`` (SGLang 0.5.23's Mamba slot envelope, ``build_mamba_entry_views``), instead of
+    each layer's whole cell together (vLLM). Raises
     ``UnsupportedConfiguration`` for a kind kvcore has no layout for, an MLA group with more
     than one state or a sliding window on another kind; ``GeometryError`` for sizes.
     """
@@ -143,6 +148,7 @@ class CacheGroup:
     block_size: int
     sliding_window: int | None = None
     cell_stride: int | None = None
+    state_major: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -173,6 +179,12 @@ class CacheGroup:
             )
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise GeometryError(f"sliding_window={self.sliding_window} must be positive")
+        if self.state_major and self.cell_stride is not None:
+            raise UnsupportedConfiguration(
+                f"{self.kind} group: a padded cell_stride={self.cell_stride} with a "
+                "state-major row (states are not grouped by layer, so no cell is padded)",
+                hint="drop cell_stride or state_major",
+            )
         packed = self.cell_bytes
         if self.cell_stride is not None and (
             self.cell_stride < packed or self.cell_stride % self.alignment
@@ -208,6 +220,27 @@ class CacheGroup:
     def stride(self) -> int:
         """Bytes one layer's cell occupies in a row (``cell_stride`` or the packed cell)."""
         return self.cell_stride if self.cell_stride is not None else self.cell_bytes
+
+    def row_offsets(self) -> tuple[int, dict[tuple[int, str], int]]:
+        """In a compound row: the bytes this group uses and the offset of each
+        ``(layer index, role)``. Layer-major: layer i's cell at ``i * stride``; state-major:
+        state k of every layer back to back, each region aligned to its item size."""
+        n = len(self.layers)
+        if not self.state_major:
+            out = {
+                (i, st.role): i * self.stride + off
+                for i in range(n)
+                for st, off in zip(self.cell, self.offsets, strict=True)
+            }
+            return n * self.stride, out
+        out = {}
+        end = 0
+        for st in self.cell:
+            base = _round_up(end, st.itemsize)
+            for i in range(n):
+                out[i, st.role] = base + i * st.nbytes
+            end = base + n * st.nbytes
+        return end, out
 
 
 def attention_group(
@@ -250,11 +283,13 @@ def mamba_group(
     states: Iterable[tuple[str, Sequence[int], torch.dtype]],
     block_size: int = 1,
     cell_stride: int | None = None,
+    state_major: bool = False,
 ) -> CacheGroup:
     """A Mamba / linear-attention group: ``states`` (e.g. ``("conv", (conv_dim, k - 1),
-    bf16), ("ssm", (heads, head_dim, d_state), f32)``) packed into one cell per slot."""
+    bf16), ("ssm", (heads, head_dim, d_state), f32)``) packed into one cell per slot
+    (``state_major``: see ``CacheGroup``)."""
     cell = tuple(StateSpec(role, tuple(shape), dtype) for role, shape, dtype in states)
-    return CacheGroup("mamba", tuple(layers), cell, block_size, None, cell_stride)
+    return CacheGroup("mamba", tuple(layers), cell, block_size, None, cell_stride, state_major)
 
 
 # -- rows on pages --------------------------------------------------------------------------
@@ -422,10 +457,8 @@ class FamilyLayout:
                 hint="use layout='compound' (vLLM: a block-outermost layout such as BLHNC), "
                 "or pad every group's cell to the largest stride",
             )
-        if layout == "per-layer":
-            row = max(strides)
-        else:
-            row = max(len(g.layers) * g.stride for g in self.groups)
+        rows = [g.row_offsets() for g in self.groups]
+        row = max(strides) if layout == "per-layer" else max(used for used, _ in rows)
         align = math.lcm(stride_alignment, *(g.alignment for g in self.groups))
         self.plan = plan_rows(
             row,
@@ -445,16 +478,15 @@ class FamilyLayout:
             layout=layout,
         )
         self._placements: dict[tuple[str, str], Placement] = {}
-        for gid, group in enumerate(self.groups):
+        for gid, (group, (_, in_row)) in enumerate(zip(self.groups, rows, strict=True)):
             for i, layer in enumerate(group.layers):
-                base = 0 if layout == "per-layer" else i * group.stride
                 for state, off in zip(group.cell, group.offsets, strict=True):
                     self._placements[layer, state.role] = Placement(
                         group=gid,
                         layer=layer,
                         role=state.role,
                         part=i if layout == "per-layer" else 0,
-                        offset=base + off,
+                        offset=off if layout == "per-layer" else in_row[i, state.role],
                         shape=state.shape,
                         dtype=state.dtype,
                     )

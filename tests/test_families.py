@@ -351,3 +351,26 @@ def test_hybrid_attention_and_mamba_share_a_padded_cell() -> None:
         assert a_blocks is not None and m_slots is not None
         write_and_check(s, [("a0", "kv"), ("a1", "kv")], a_blocks)
         write_and_check(s, [("mamba.0", "conv"), ("mamba.1", "ssm")], m_slots)
+
+
+def test_state_major_mamba_rows_group_each_state_across_layers(backend: str) -> None:
+    group = mamba_group(
+        ["m0", "m1", "m2"],
+        states=[("conv", (5, 3), BF16), ("ssm", (4, 16, 24), F32)],  # 30 + 6144 bytes
+        state_major=True,
+    )
+    used, offsets = group.row_offsets()
+    # [conv x 3][ssm x 3]: the ssm region starts at the first 4-byte boundary after 90 bytes
+    assert [offsets[i, "conv"] for i in range(3)] == [0, 30, 60]
+    assert [offsets[i, "ssm"] for i in range(3)] == [92, 92 + 6144, 92 + 2 * 6144]
+    assert used == 92 + 3 * 6144
+    fam = FamilyLayout([group], num_blocks=19, granularity=granularity(backend))
+    with open_stack(backend, fam) as s:
+        slots = s.ledger.alloc(19)
+        assert slots is not None
+        write_and_check(s, [(ly, r) for ly in group.layers for r in ("conv", "ssm")], [0, 9, 18])
+
+
+def test_state_major_with_a_padded_cell_is_refused() -> None:
+    with pytest.raises(UnsupportedConfiguration, match="state-major"):
+        mamba_group(["m0"], states=[("ssm", (4,), F32)], cell_stride=64, state_major=True)
