@@ -337,3 +337,14 @@ def test_deepseek_mla_padded_row_reaches_vllm_through_block_stride_alignment(
         cross_check(s, kv_padded, block)
         view = fam.view(s.cache, "model.layers.60.self_attn", "latent")
         assert view.shape == (kv_padded.num_blocks, 64, 1, 576) and view.stride(0) == 4718592 // 2
+
+
+def test_vllm_keys_prefix_cache_entries_by_group() -> None:
+    """What the module doc of ``kvcore.families`` relies on: vLLM's prefix cache tells groups
+    apart itself (the group id is part of every key), so kvcore's ledger needs no group id."""
+    utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
+    digest = utils.BlockHash(bytes(32))
+    keys = {utils.make_block_hash_with_group_id(digest, gid) for gid in range(3)}
+    assert len(keys) == 3
+    assert sorted(utils.get_group_id(k) for k in keys) == [0, 1, 2]
+    assert {utils.get_block_hash(k) for k in keys} == {digest}
