@@ -43,7 +43,7 @@ rows. kvcore first tries an *exact* page: ``lcm(row, granularity)`` when that is
 ``max_page_bytes`` (64 MiB by default; a 32 MiB handle maps in the same time as a 2 MiB one on
 the H200). A DeepSeek MLA token row of 1152 bytes takes an 18 MiB page (9 granules, 16384
 rows) with no padding. When no exact page is small enough (61 layers x 64 tokens x 1152 bytes
-= 4497408 bytes per compound row would need a 1.1 GiB page) the row *stride* is padded to the
+= 4497408 bytes per compound row would need a 1.07 GiB page) the row *stride* is padded to the
 smallest multiple of ``stride_alignment`` that divides a page of at most ``max_page_bytes``,
 least padding first (that row: stride 4718592, 4 rows per 18 MiB page, 4.7% padding). The
 engine must then address blocks with the padded stride (vLLM: ``block_stride_alignment`` or
