@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcore.accounting import MemoryGate
 from kvcore.blocks import BlockLedger
 from kvcore.families import FamilyLayout
 from kvcore.pages import PageAllocator
@@ -61,7 +62,8 @@ def granularity(backend: str) -> int:
     return HOST_GRANULARITY if backend == "host" else 2 * MiB
 
 
-def open_stack(backend: str, layout: FamilyLayout) -> Stack:
+def open_stack(backend: str, layout: FamilyLayout, gate: MemoryGate | None = None) -> Stack:
+    """A fresh stack on ``layout.geometry``; ``gate`` admits its page memory (default: none)."""
     gran = layout.geometry.granularity
     if backend == "host":
         handles = layout.geometry.num_pages * layout.geometry.handles_per_page + 1
@@ -71,7 +73,7 @@ def open_stack(backend: str, layout: FamilyLayout) -> Stack:
     vmm = FaultInjector(inner)
     cache = VirtualKVCache(vmm, layout.geometry)
     mapper = LocalPageMapper(cache, pool_pages=0)  # unmapped pages release their memory
-    pages = PageAllocator(mapper, retry_interval=0.01)
+    pages = PageAllocator(mapper, gate, retry_interval=0.01)
     mem = MemStack(vmm, layout.geometry, cache, mapper, pages)
     return Stack(mem, layout, BlockLedger(layout.geometry, pages))
 

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcore.accounting import BudgetGate
 from kvcore.errors import GeometryError, UnsupportedConfiguration
 from kvcore.families import (
     CacheGroup,
@@ -375,3 +376,29 @@ def test_state_major_mamba_rows_group_each_state_across_layers(backend: str) -> 
 def test_state_major_with_a_padded_cell_is_refused() -> None:
     with pytest.raises(UnsupportedConfiguration, match="state-major"):
         mamba_group(["m0"], states=[("ssm", (4,), F32)], cell_stride=64, state_major=True)
+
+
+def test_separate_pools_share_one_gate() -> None:
+    """Engines that keep groups in pools of their own (SGLang's hybrid SWA: a full pool and a
+    smaller window pool) get one layout and ledger per pool, admitted by one gate."""
+    full = attention_group(["f0", "f1"], block_size=16, num_kv_heads=2, head_size=64, dtype=BF16)
+    window = attention_group(
+        ["s0", "s1", "s2"], block_size=16, num_kv_heads=2, head_size=64, dtype=BF16,
+        sliding_window=256,
+    )  # fmt: skip
+    layouts = [
+        FamilyLayout([full], num_blocks=64, granularity=HOST_GRANULARITY, layout="per-layer"),
+        FamilyLayout([window], num_blocks=16, granularity=HOST_GRANULARITY, layout="per-layer"),
+    ]
+    page = layouts[0].geometry.page_device_bytes
+    assert layouts[1].geometry.page_device_bytes == 3 * page // 2
+    gate = BudgetGate(limit=4 * page)
+    with open_stack("host", layouts[0], gate) as f, open_stack("host", layouts[1], gate) as w:
+        per_page = layouts[0].geometry.blocks_per_page
+        held = f.ledger.alloc(3 * per_page)  # 3 of the 4 pages' worth
+        assert held is not None
+        assert w.ledger.alloc(1) is None  # the window pool's page (1.5 pages) does not fit
+        f.ledger.free(held[:per_page])
+        assert len(f.mapped()) == 2  # flushed: the emptied page went back to the driver
+        got = w.ledger.alloc(1)
+        assert got is not None and gate.held == 2 * page + 3 * page // 2
