@@ -5,17 +5,17 @@
 * ``ElasticTokenToKVPoolAllocator`` / ``ElasticPagedTokenToKVPoolAllocator``
   (``allocators``) — SGLang's allocators over kvcore's block ledger.
 * ``ElasticKVManager`` (``manager``) — one pool's kvcore object chain on one TP rank.
-* ``ElasticConfig`` (``config``) — the ``--kvcore-config`` options.
+* ``ElasticConfig`` (``kvcore.adapters.config``) — the ``--kvcore-config`` options.
 
 Importing this package imports SGLang (the allocators subclass SGLang's own).
 """
 
+from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.sglang.allocators import (
     ElasticPagedTokenToKVPoolAllocator,
     ElasticTokenToKVPoolAllocator,
     elastic_allocator,
 )
-from kvcore.adapters.sglang.config import ElasticConfig
 from kvcore.adapters.sglang.manager import ElasticKVManager
 from kvcore.adapters.sglang.scope import ElasticScope
 

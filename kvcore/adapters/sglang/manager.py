@@ -29,7 +29,7 @@ from kvcore.tensors import LocalPageMapper, VirtualKVCache
 from kvcore.vmm import open_backend
 
 if TYPE_CHECKING:
-    from kvcore.adapters.sglang.config import ElasticConfig
+    from kvcore.adapters.config import ElasticConfig
     from kvcore.vmm.base import VmmBackend
 
 __all__ = ["ElasticKVManager"]

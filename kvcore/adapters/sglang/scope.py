@@ -22,8 +22,8 @@ import logging
 import os
 from typing import Any
 
+from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.sglang.allocators import elastic_allocator
-from kvcore.adapters.sglang.config import ElasticConfig
 from kvcore.adapters.sglang.manager import ElasticKVManager
 from kvcore.errors import UnsupportedConfiguration
 

@@ -1,8 +1,9 @@
-"""Options of SGLang's elastic KV mode (``--kvcore-elastic --kvcore-config '{...}'``).
+"""Options of an engine's elastic KV mode (``--kvcore-config '{...}'``), engine-agnostic.
 
-``ElasticConfig.parse(value)`` turns the server argument (a JSON object, already decoded by
-SGLang's argument parser into a dict, or ``None``) into a validated, frozen config. Every
-unknown key or wrong type raises ``UnsupportedConfiguration`` at start-up, naming the key.
+``ElasticConfig.parse(value)`` turns the engine option (a JSON object, already decoded by the
+engine's argument parser into a dict, JSON text, or ``None``) into a validated, frozen
+config. Every unknown key or wrong type raises ``UnsupportedConfiguration`` at start-up,
+naming the key. Each engine adapter reads the fields it supports.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ __all__ = ["ElasticConfig"]
 
 @dataclass(frozen=True)
 class ElasticConfig:
-    """Per-rank elastic KV options.
+    """Per-rank (per-worker) elastic KV options.
 
     ``backend``: VMM backend name (``cuda``, ``hip``, ``host``); ``backend_options``: keyword
     arguments for it (``host``: ``device_bytes``, ``granularity``). ``limit_bytes``: the
