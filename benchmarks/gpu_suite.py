@@ -877,9 +877,9 @@ class _RawPageMirror:
     handles. map: unmap zero + map handle + set access rw; unmap: synchronize + unmap +
     map zero + set access ro (the handle goes back to the pool)."""
 
-    def __init__(self, raw: RawCuda, slots: int, page_bytes: int) -> None:
+    def __init__(self, raw: RawCuda, slots: int, page_bytes: int, zero_bytes: int) -> None:
         self.raw, self.slots, self.pb = raw, slots, page_bytes
-        self.gran = raw.granularity
+        self.gran = zero_bytes  # the size of kvcore's zero page (VirtualKVCache.zero_page_bytes)
         self.size = slots * page_bytes
         self.va = raw.reserve(self.size)
         self.zero = raw.create(self.gran)
@@ -948,7 +948,7 @@ def step_mapper(suite: Suite) -> dict[str, Any]:
                 counts = _count_mapper_calls(suite, layout, page_bytes, num_blocks)
                 cache = kv_cache(backend, geo)
                 mapper = kv_mapper(cache)
-                mirror = _RawPageMirror(raw, hpp, page_bytes)
+                mirror = _RawPageMirror(raw, hpp, page_bytes, cache.zero_page_bytes)
                 t_map: list[int] = []
                 t_unmap: list[int] = []
                 r_map: list[int] = []
@@ -1319,8 +1319,9 @@ def _handoff_worker(conn: Any, spec: dict[str, Any]) -> None:
         rows = spec["total_bytes"] // shape.compound_row_bytes
         geo = kv_geometry(backend, shape, rows, page_bytes, "compound")
         state["cache"] = cache = kv_cache(backend, geo)
-        # no handle pool: a handoff is about returning memory to the driver, and pooled
-        # handles would stay held by A after its gate released their bytes
+        # no handle pool: the gate is charged exactly what the mapper holds (pooled handles
+        # included), so handles A pooled would stay charged to A and B could never get the
+        # whole budget; a handoff returns memory to the driver, which a pool would not
         state["mapper"] = mapper = kv_mapper(cache, pool_pages=0)
         state["alloc"] = PageAllocator(mapper, gate, reserve_min=0, reserve_max=0)
         state["geo"] = geo
@@ -1824,13 +1825,20 @@ def step_decode(suite: Suite) -> dict[str, Any]:
             geo = kv_geometry(fi, shape, num_blocks, page_bytes, "compound")
             cache = kv_cache(fi, geo)
             mapper = kv_mapper(cache)
-            pages = PageAllocator(mapper, reserve_min=reserve // 2, reserve_max=reserve)
+            # the refill keeps the whole reserve mapped (reserve_min = reserve_max): a new
+            # sequence's prompt takes up to decode_max_len / 4 tokens of blocks at once, and
+            # a reserve kept only half full let those bursts spill onto this thread
+            pages = PageAllocator(mapper, reserve_min=reserve, reserve_max=reserve)
             ledger = kv_blocks(geo, pages)
             if reserve:
                 pages.flush(timeout=30)
             marks: dict[str, Any] = {}
 
+            fi.reset_counts()  # warm-up: from the first sequences' prompts on
+
             def on_measure(marks: dict[str, Any] = marks, pages: Any = pages, fi: Any = fi) -> None:
+                marks["warmup_here"] = fi.calls(thread=me)
+                marks["warmup_all"] = fi.calls()
                 fi.reset_counts()
                 marks["stats"] = pages.stats()
 
@@ -1875,10 +1883,25 @@ def step_decode(suite: Suite) -> dict[str, Any]:
                 goal="0 with the reserve" if reserve else "",
                 limit=0.0 if reserve else None,
                 absolute=True,
-                note=f"{calls_here} of {calls_all} driver calls over {steps} steps on the "
-                f"allocating thread (rest: refill thread); allocator misses "
-                f"{st.misses - marks['stats'].misses}; counted through FaultInjector; "
-                f"by kind {kinds_here}",
+                note=f"steady state (after {sz.decode_warmup} warm-up steps): {calls_here} of "
+                f"{calls_all} driver calls over {steps} steps on the allocating thread (rest: "
+                f"refill thread); allocator misses {st.misses - marks['stats'].misses}; "
+                f"counted through FaultInjector; by kind {kinds_here}",
+            )
+            suite.figure(
+                "d",
+                f"driver calls on the allocating thread per warm-up step ({label})",
+                marks["warmup_here"] / max(sz.decode_warmup, 1),
+                None,
+                "calls/step",
+                ours_label="allocating thread",
+                baseline_label="",
+                goal="",
+                absolute=True,
+                note=f"warm-up: the first {sz.decode_warmup} steps, from {sz.decode_seqs} "
+                f"sequences' prompts arriving at once; {marks['warmup_here']} of "
+                f"{marks['warmup_all']} driver calls on the allocating thread (not a goal: "
+                "a burst beyond the reserve maps on the caller by design)",
             )
             details["runs"][label] = {
                 "page_bytes": page_bytes,
@@ -1889,6 +1912,9 @@ def step_decode(suite: Suite) -> dict[str, Any]:
                 "step_us_p99": percentile(run.step_ns, 0.99) / 1e3,
                 "driver_calls_allocating_thread": calls_here,
                 "driver_calls_all_threads": calls_all,
+                "warmup_steps": sz.decode_warmup,
+                "warmup_driver_calls_allocating_thread": marks["warmup_here"],
+                "warmup_driver_calls_all_threads": marks["warmup_all"],
                 "driver_calls_allocating_thread_by_kind": kinds_here,
                 "caller_mapper_calls": st.caller_mapper_calls - marks["stats"].caller_mapper_calls,
                 "refill_mapper_calls": st.refill_mapper_calls - marks["stats"].refill_mapper_calls,

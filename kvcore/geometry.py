@@ -36,6 +36,13 @@ LAYOUTS: tuple[Layout, ...] = ("per-layer", "compound")
 class KVGeometry:
     """The byte geometry of one engine's KV cache.
 
+    ``layout`` defaults to ``compound``, the layout decided by measurement on the target
+    GPU (DESIGN.md section 7): on an H200 (GPU suite step (b), commit a472e75) a paged
+    decode read through compound views ran at 1.005x the bandwidth of plain
+    ``torch.empty`` tensors (per-layer: 0.999x; 2 and 64 MiB pages alike), so the one-handle
+    layout costs attention nothing while mapping one handle per page id instead of
+    ``layers x kv_buffers``.
+
     ``block_bytes`` is one block of one layer in one buffer (vLLM: ``block_size`` tokens;
     SGLang: one page of token slots). ``page_bytes`` is the size of one physical handle
     (per (layer, buffer) range for ``per-layer``; spanning all layers for ``compound``) and

@@ -45,6 +45,11 @@ them, so the page allocator charges its ``MemoryGate`` exactly what the device h
 ``trim_pool()``
     releases every pooled handle (memory back to the driver) and retries failed releases.
     Raises the first ``VmmError`` after trying them all (what failed stays held).
+``fixed_bytes`` (optional; not part of the protocol)
+    device bytes held for the mapper's whole life whatever the page states, not counted in
+    ``held_bytes``: ``LocalPageMapper`` reports its cache's shared zero page. The page
+    allocator charges them to its gate from its construction to its ``close``; a mapper
+    without the attribute holds none.
 """
 
 from __future__ import annotations

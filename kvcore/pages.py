@@ -30,7 +30,12 @@ the last finished step frees everything released behind it or any earlier step.
 
 Accounting. The gate is charged for exactly the device memory the mapper holds
 (``PageMapper.held_bytes``: mapped pages, handles the mapper pools for reuse, handles whose
-release failed, quarantined pages), never for a byte twice. Before a map the allocator
+release failed, quarantined pages), never for a byte twice. With ``charge_fixed_bytes=True``
+it is also charged the mapper's ``fixed_bytes`` (``LocalPageMapper``: the cache's zero page,
+up to 128 MiB), from construction to ``close``; a gate that refuses them at construction
+raises ``PoolFailed``.
+Off by default for now: turning it on shifts every gate budget by the zero page, and the
+ledger, family and engine-adapter budgets are still sized without it. Before a map the allocator
 charges the most the map can add (``pages - mapper.pooled_pages`` pages: a map served from
 the pool charges nothing); after every mapper call it settles the charge to ``held_bytes``,
 giving back only real shrinkage. Charges and mapper calls happen under one lock, so the
@@ -159,7 +164,8 @@ class PageStats:
     """Pages' worth of unmapped handles the mapper keeps for reuse (``mapper.pooled_pages``)."""
     charged_bytes: int
     """Bytes charged to the gate: what the mapper held after its last call
-    (``mapper.held_bytes``), mapped, pooled, quarantined and unreleased memory alike."""
+    (``mapper.held_bytes``), mapped, pooled, quarantined and unreleased memory alike, plus
+    its ``fixed_bytes`` (the zero page) with ``charge_fixed_bytes``."""
     unmap_pending: int
     """Pages queued for, or in, the background unmap."""
     quarantined: int
@@ -181,6 +187,10 @@ class PageAllocator:
     ``reserve_max`` bound the reserve in pages (``0 <= reserve_min <= reserve_max``);
     ``retry_interval`` is how long the background thread waits before mapping again after
     a miss (doubling per further miss, up to 20x, while its batch halves),
+    ``refill_batch`` the most pages it maps in one mapper call (each batch joins the reserve
+    as soon as it is mapped, and the mapper is free in between for a caller that must map
+    on its own thread), ``charge_fixed_bytes`` whether the gate is also charged the
+    mapper's ``fixed_bytes`` (module docstring),
     ``poll_interval`` how often it re-reads the gate's ``reserve_target`` and
     reports the reserve while idle. Every method is thread-safe. Raises ``ValueError`` for
     bounds that do not fit the mapper's page count.
@@ -195,8 +205,12 @@ class PageAllocator:
         reserve_max: int = 0,
         retry_interval: float = 0.05,
         poll_interval: float = 0.25,
+        refill_batch: int = 8,
+        charge_fixed_bytes: bool = False,
     ) -> None:
         num_pages = mapper.num_pages
+        if refill_batch < 1:
+            raise ValueError(f"page allocator: refill_batch must be >= 1, got {refill_batch}")
         if not 0 <= reserve_min <= reserve_max <= num_pages:
             raise ValueError(
                 f"page allocator: need 0 <= reserve_min ({reserve_min}) <= reserve_max "
@@ -219,6 +233,8 @@ class PageAllocator:
         self._fence_heap: list[int] = []  # the keys of _fenced, smallest first
         self._retired_upto: int | None = None  # the largest ``retire(upto)`` so far
         self._charged = 0  # bytes charged to the gate; written under _mapper_lock
+        # device memory the mapper holds whatever the page states (a cache's zero page)
+        self._fixed_bytes = int(getattr(mapper, "fixed_bytes", 0)) if charge_fixed_bytes else 0
         self._pooled = 0  # mapper.pooled_pages after its last call; written under _mapper_lock
         self._trim_pool = False  # trim() asked the background thread to drop the pool
         self._reserve_cap = reserve_max  # gate-approved reserve size, refreshed off-thread
@@ -227,7 +243,8 @@ class PageAllocator:
         self._backoff = retry_interval  # doubles on each background miss, up to 20x
         self._unmap_retry_at = 0.0  # no background unmap before this (after a failed one)
         self._unmap_backoff = retry_interval
-        self._batch_limit = num_pages  # pages per background map; halves on each miss
+        self._refill_batch = refill_batch
+        self._batch_limit = refill_batch  # pages per background map; halves on each miss
         self._reserve_dirty = True
         self._busy = False  # background thread inside a round
         self._kick = False  # flush() asked for a round
@@ -247,8 +264,9 @@ class PageAllocator:
         with self._mapper_lock:  # a mapper reused from an earlier allocator may hold memory
             if not self._settle_charge_locked():
                 raise PoolFailed(
-                    f"page allocator: the gate refuses the {mapper.held_bytes} bytes the "
-                    "mapper already holds",
+                    f"page allocator: the gate refuses the "
+                    f"{mapper.held_bytes + self._fixed_bytes} bytes the mapper already holds "
+                    f"({self._fixed_bytes} of them its zero page)",
                     hint="trim or close the mapper's earlier user first, or raise the limit",
                 )
         self._thread = threading.Thread(target=self._run, name="kvcore-page-refill", daemon=True)
@@ -524,8 +542,10 @@ class PageAllocator:
         engine is going away), release the mapper's pooled handles and settle the gate's
         charge to what the mapper still holds: nothing, unless pages are quarantined or a
         release failed (the mapper's own ``close``, which the owner calls next, releases
-        those; closing the gate drops their charge). Idempotent. Raises ``PoolFailed`` if
-        the final unmap of a healthy allocator failed; after a fail-stop it only tries."""
+        those; closing the gate drops their charge). The charge for the mapper's
+        ``fixed_bytes`` ends here too (the owner closes the cache next). Idempotent.
+        Raises ``PoolFailed`` if the final unmap of a healthy allocator failed; after a
+        fail-stop it only tries."""
         with self._lock:
             if self._closed:
                 return
@@ -557,7 +577,7 @@ class PageAllocator:
             except BaseException as exc:
                 log.warning("kvcore: releasing the mapper's pooled handles at close: %r", exc)
             try:
-                self._settle_charge_locked()
+                self._settle_charge_locked(closing=True)
                 self._gate.report_reserve(0)
             except BaseException as exc:
                 log.error("kvcore: settling the gate's charge at close failed: %r", exc)
@@ -792,11 +812,12 @@ class PageAllocator:
 
     # ------------------------------------------------------------------ the gate's charge
 
-    def _settle_charge_locked(self) -> bool:
-        """Make the gate's charge what the mapper holds: give back what it no longer holds,
-        claim what it holds beyond the charge. ``False`` when the gate refused such growth
-        (the charge stays short by that much). Caller holds ``_mapper_lock``."""
-        held = self._mapper.held_bytes
+    def _settle_charge_locked(self, *, closing: bool = False) -> bool:
+        """Make the gate's charge what the mapper holds (with its ``fixed_bytes`` until
+        ``closing``): give back what it no longer holds, claim what it holds beyond the
+        charge. ``False`` when the gate refused such growth (the charge stays short by that
+        much). Caller holds ``_mapper_lock``."""
+        held = self._mapper.held_bytes + (0 if closing else self._fixed_bytes)
         self._pooled = self._mapper.pooled_pages
         if held < self._charged:
             self._gate_release(self._charged - held)
@@ -893,7 +914,7 @@ class PageAllocator:
                     self._move(maps, _MAPPING, _RESERVED)
                     self._reserve.extend(maps)
                     self._backoff = self._retry_interval
-                    self._batch_limit = min(2 * self._batch_limit, self._num_pages)
+                    self._batch_limit = min(2 * self._batch_limit, self._refill_batch)
             else:  # a miss: wait longer and ask for less next time
                 with self._lock:
                     self._retry_at = time.monotonic() + self._backoff

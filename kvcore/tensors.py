@@ -7,10 +7,22 @@ per-layer views ``view(layer, buffer, dtype=, block_shape=)`` of shape
 ``(num_blocks, *block_shape)`` whose ``data_ptr()`` never changes while the cache lives
 (DESIGN.md invariant 4: CUDA graphs capture these pointers).
 
-The zero page is one granularity-sized physical handle mapped at every granule of every
-unbacked page slot, so a stray read (padding, the null block) returns zeros and costs no
-capacity. A write through an unbacked block is a bug: normally the zero page is read-only and
-the write faults (``SIGSEGV`` on ``host``, an illegal-address error on a GPU). With
+The zero page is one physical handle of ``zero_page_bytes`` mapped at every unbacked page
+slot (``page_bytes / zero_page_bytes`` mappings per slot), so a stray read (padding, the null
+block) returns zeros. Its size trades device memory for driver calls: every unmap and map of
+a page slot removes or re-creates its zero mappings, and each mapping costs a ``cuMemMap``
+plus its share of ``cuMemSetAccess`` (~40 us on an H200) or ``cuMemUnmap`` (~25 us) whatever
+its size. A one-granule zero page made a 10 GiB handoff of 128 MiB pages spend ~200 ms
+re-mapping 5,120 zero granules (GPU suite, commit a472e75). The default is therefore the
+largest size that divides ``page_bytes`` and is at most ``ZERO_PAGE_MAX_BYTES`` (128 MiB):
+one zero mapping per slot up to 128 MiB pages, at most ``range / 128 MiB`` mappings over a
+whole range, for one handle of up to 128 MiB of device memory per cache. Pass
+``zero_page_bytes=`` (a multiple of the granularity dividing ``page_bytes``) to trade the
+other way. The zero page is real device memory: ``LocalPageMapper.fixed_bytes`` reports it
+(``PageAllocator(charge_fixed_bytes=True)`` charges it to the memory gate).
+
+A write through an unbacked block is a bug: normally the zero page is read-only and the
+write faults (``SIGSEGV`` on ``host``, an illegal-address error on a GPU). With
 ``sanity=True`` the zero page is mapped writable instead, so the write lands, and
 ``check_zero_page()`` (run by ``LocalPageMapper`` before every transition) raises
 ``ZeroPageWritten`` naming the dirty offsets and the blocks the write may have come through.
@@ -63,14 +75,36 @@ log = logging.getLogger(__name__)
 
 _MAX_REPORTED = 16
 
+ZERO_PAGE_MAX_BYTES = 128 << 20
+"""Upper bound of the default zero page size (see the module docstring): on an H200 a
+handle of 128 MiB or more maps and set-accesses at under 1 us per 2 MiB."""
+
+
+def default_zero_page_bytes(page_bytes: int, granularity: int) -> int:
+    """The largest multiple of ``granularity`` that divides ``page_bytes`` and is at most
+    ``ZERO_PAGE_MAX_BYTES`` (at least one granule)."""
+    granules = page_bytes // granularity
+    cap = max(ZERO_PAGE_MAX_BYTES // granularity, 1)
+    best = 1
+    d = 1
+    while d * d <= granules:
+        if granules % d == 0:
+            for k in (d, granules // d):
+                if best < k <= cap:
+                    best = k
+        d += 1
+    return best * granularity
+
 
 class VirtualKVCache:
     """The reserved virtual ranges of one KV cache, their zero page and stable views.
 
     ``dtype`` is the default element type of ``view``. ``geometry.granularity`` must be the
-    backend's granularity (or a multiple of it). Construction maps the zero page everywhere;
-    ``close()`` unmaps it and frees the ranges (a ``LocalPageMapper`` on the cache must be
-    closed first). Raises ``VmmError`` (nothing left reserved) if the backend refuses.
+    backend's granularity (or a multiple of it). ``zero_page_bytes`` sizes the shared zero
+    page (default ``default_zero_page_bytes(page_bytes, granularity)``; module docstring).
+    Construction maps the zero page everywhere; ``close()`` unmaps it and frees the ranges
+    (a ``LocalPageMapper`` on the cache must be closed first). Raises ``VmmError`` (nothing
+    left reserved) if the backend refuses, ``GeometryError`` for sizes that do not tile.
     """
 
     def __init__(
@@ -80,6 +114,7 @@ class VirtualKVCache:
         *,
         dtype: torch.dtype = torch.uint8,
         sanity: bool = False,
+        zero_page_bytes: int | None = None,
     ) -> None:
         gran = backend.granularity()
         if geometry.page_bytes % gran:
@@ -88,6 +123,16 @@ class VirtualKVCache:
                 f"backend's granularity {gran}",
                 hint=f"build the KVGeometry with granularity={gran}",
             )
+        if zero_page_bytes is None:
+            zero_page_bytes = default_zero_page_bytes(geometry.page_bytes, gran)
+        if zero_page_bytes <= 0 or zero_page_bytes % gran or geometry.page_bytes % zero_page_bytes:
+            raise GeometryError(
+                f"zero_page_bytes={zero_page_bytes} must be a multiple of the granularity "
+                f"{gran} that divides page_bytes={geometry.page_bytes}",
+                hint="leave it unset for the default",
+            )
+        self.zero_page_bytes = zero_page_bytes
+        """Size of the shared zero page's handle (device memory held while the cache lives)."""
         self.backend = backend
         self.geometry = geometry
         self.dtype = dtype
@@ -108,15 +153,16 @@ class VirtualKVCache:
             for _ in range(n_ranges):
                 reserved.append((backend.reserve(size), size))
             self.ranges = tuple(reserved)
-            self._probe_va = backend.reserve(gran)
-            reserved.append((self._probe_va, gran))
-            self._zero = backend.create(gran)
+            zb = zero_page_bytes
+            self._probe_va = backend.reserve(zb)
+            reserved.append((self._probe_va, zb))
+            self._zero = backend.create(zb)
             # fresh device memory is not guaranteed to be zero: clear it through the probe
-            backend.map(self._probe_va, gran, self._zero)
-            backend.set_access(self._probe_va, gran, writable=True)
-            backend.as_tensor(self._probe_va, gran, torch.uint8).zero_()
+            backend.map(self._probe_va, zb, self._zero)
+            backend.set_access(self._probe_va, zb, writable=True)
+            backend.as_tensor(self._probe_va, zb, torch.uint8).zero_()
             backend.synchronize()
-            backend.set_access(self._probe_va, gran, writable=sanity)
+            backend.set_access(self._probe_va, zb, writable=sanity)
             for va, sz in reserved[:-1]:
                 self._map_zero_range(va, sz)
         except BaseException:
@@ -218,8 +264,9 @@ class VirtualKVCache:
     # -- zero page -----------------------------------------------------------------------
 
     def map_zero(self, va: int, size: int) -> None:
-        """Map the zero page at every granule of ``[va, va+size)`` (which holds no mapping)
-        and grant read (sanity mode: read-write) access. All or nothing."""
+        """Map the zero page at every ``zero_page_bytes`` of ``[va, va+size)`` (which holds
+        no mapping; ``size`` a multiple of it) and grant read (sanity mode: read-write)
+        access. All or nothing."""
         self._map_zero_range(va, size)
 
     def check_zero_page(self, unbacked_pages: Iterable[int] | None = None) -> None:
@@ -227,7 +274,7 @@ class VirtualKVCache:
         offsets and the blocks of ``unbacked_pages`` (default: every page) a write may have
         come through. In sanity mode the page is zeroed again before raising."""
         self._check_open()
-        probe = self.backend.as_tensor(self._probe_va, self.granularity, torch.uint8)
+        probe = self.backend.as_tensor(self._probe_va, self.zero_page_bytes, torch.uint8)
         self.backend.synchronize()
         dirty = torch.nonzero(probe).flatten()
         if dirty.numel() == 0:
@@ -251,9 +298,9 @@ class VirtualKVCache:
 
     def _candidates(self, offsets: list[int], pages: Iterable[int]) -> list[tuple[int, int, int]]:
         """Every ``(layer, buffer, block)`` whose bytes sit at one of ``offsets`` of a zero
-        page granule mapped in one of ``pages`` (at most ``4 * _MAX_REPORTED``)."""
+        page mapping in one of ``pages`` (at most ``4 * _MAX_REPORTED``)."""
         g = self.geometry
-        gran = self.granularity
+        gran = self.zero_page_bytes
         unit = math.gcd(gran, g.block_bytes)
         reps = sorted({off // unit * unit for off in offsets})
         out: set[tuple[int, int, int]] = set()
@@ -276,14 +323,20 @@ class VirtualKVCache:
         return sorted(out)
 
     def _map_zero_range(self, va: int, size: int) -> None:
-        assert self._zero is not None
-        gran = self.granularity
+        zero = self._zero
+        assert zero is not None
+        zb = self.zero_page_bytes
+        backend = self.backend
         done = 0
         try:
-            for off in range(0, size, gran):
-                self.backend.map(va + off, gran, self._zero)
-                done += gran
-            self.backend.set_access(va, size, writable=self.sanity)
+            if size == zb:  # one zero mapping per page slot: the common case
+                backend.map(va, zb, zero)
+                done = zb
+            else:
+                for off in range(0, size, zb):
+                    backend.map(va + off, zb, zero)
+                    done += zb
+            backend.set_access(va, size, writable=self.sanity)
         except BaseException:
             if done:
                 # best effort; if this fails too the caller sees the original error and
@@ -331,11 +384,12 @@ class VirtualKVCache:
             raise errors[0]
 
     def _unmap_piecewise(self, va: int, size: int) -> None:
-        page, gran = self.geometry.page_bytes, self.granularity
+        page, zb, gran = self.geometry.page_bytes, self.zero_page_bytes, self.granularity
         off = 0
         while off < size:
             step = gran
-            for length in (page, gran) if off % page == 0 and off + page <= size else (gran,):
+            lengths = [n for n in (page, zb) if off % n == 0 and off + n <= size] + [gran]
+            for length in dict.fromkeys(lengths):
                 try:
                     self.backend.unmap(va + off, length)
                     step = length
@@ -372,6 +426,12 @@ class _Slot(enum.Enum):
     UNKNOWN = "unknown"  # a quarantined page's slot: cleared piecewise before reuse at close
 
 
+# module-level names of the members: an Enum member read through its class costs ~100 ns
+_ZERO, _EMPTY, _BACKED, _UNKNOWN = _Slot.ZERO, _Slot.EMPTY, _Slot.BACKED, _Slot.UNKNOWN
+_UNBACKED_S, _MAPPED_S = PageState.UNBACKED, PageState.MAPPED
+_PREPARED_S, _QUARANTINED_S = PageState.PREPARED, PageState.QUARANTINED
+
+
 @dataclass
 class _Page:
     state: PageState = PageState.UNBACKED
@@ -397,10 +457,13 @@ class LocalPageMapper:
         self.cache = cache
         self.backend = cache.backend
         self.geometry = cache.geometry
-        self.pool_max = pool_pages * self.geometry.handles_per_page
-        self._pages = [
-            _Page(slots=[_Slot.ZERO] * len(cache.ranges)) for _ in range(cache.num_pages)
-        ]
+        # geometry figures are properties computed per read: the hot path reads these
+        self._num_pages = cache.geometry.num_pages
+        self._hpp = cache.geometry.handles_per_page
+        self._handle_bytes = cache.geometry.page_bytes
+        self._range_vas = tuple(va for va, _ in cache.ranges)
+        self.pool_max = pool_pages * self._hpp
+        self._pages = [_Page(slots=[_ZERO] * len(cache.ranges)) for _ in range(cache.num_pages)]
         self._pool: list[Handle] = []
         self._pending_release: list[Handle] = []
         self._live_handles = 0  # created and not released: what held_bytes reports
@@ -412,60 +475,67 @@ class LocalPageMapper:
 
     @property
     def num_pages(self) -> int:
-        return self.geometry.num_pages
+        return self._num_pages
 
     @property
     def page_bytes(self) -> int:
         return self.geometry.page_device_bytes
 
     @property
+    def fixed_bytes(self) -> int:
+        """Device bytes held for the cache's whole life whatever the page states: the shared
+        zero page (``VirtualKVCache.zero_page_bytes``). Not part of ``held_bytes``; the page
+        allocator charges it to its gate beside ``held_bytes`` (``kvcore.mapper``)."""
+        return self.cache.zero_page_bytes
+
+    @property
     def held_bytes(self) -> int:
         """Device bytes of every handle this mapper created and has not released: mapped,
         prepared and quarantined pages, pooled handles, failed releases (not the cache's
         zero page)."""
-        return self._live_handles * self.geometry.page_bytes
+        return self._live_handles * self._handle_bytes
 
     @property
     def pooled_pages(self) -> int:
         """Whole pages' worth of pooled handles (a ``map`` takes these before creating)."""
-        return len(self._pool) // self.geometry.handles_per_page
+        return len(self._pool) // self._hpp
 
     def map(self, page_ids: Sequence[int]) -> None:
         with self._lock:
             self._usable()
-            ids = self._validate("map", page_ids, PageState.UNBACKED)
+            ids = self._validate("map", page_ids, _UNBACKED_S)
             if not ids:
                 return
-            self._sanity()
-            handles = self._take_handles(len(ids) * self.geometry.handles_per_page)
-            hpp = self.geometry.handles_per_page
+            if self.cache.sanity:
+                self._sanity()
+            hpp = self._hpp
+            handles = self._take_handles(len(ids) * hpp)
             for i, p in enumerate(ids):
                 self._pages[p].handles = handles[i * hpp : (i + 1) * hpp]
-            self._transact(ids, _Slot.BACKED, _Slot.ZERO, PageState.MAPPED, PageState.UNBACKED)
+            self._transact(ids, _BACKED, _ZERO, _MAPPED_S, _UNBACKED_S)
 
     def prepare_unmap(self, page_ids: Sequence[int]) -> None:
         with self._lock:
             self._usable()
-            ids = self._validate("prepare_unmap", page_ids, PageState.MAPPED)
+            ids = self._validate("prepare_unmap", page_ids, _MAPPED_S)
             if not ids:
                 return
-            self._sanity()
+            if self.cache.sanity:
+                self._sanity()
             self.backend.synchronize()
-            self._transact(ids, _Slot.ZERO, _Slot.BACKED, PageState.PREPARED, PageState.MAPPED)
+            self._transact(ids, _ZERO, _BACKED, _PREPARED_S, _MAPPED_S)
 
     def commit_unmap(self, page_ids: Sequence[int]) -> None:
         with self._lock:
             self._usable()
-            ids = self._validate(
-                "commit_unmap", page_ids, PageState.PREPARED, also_ok=PageState.UNBACKED
-            )
+            ids = self._validate("commit_unmap", page_ids, _PREPARED_S, also_ok=_UNBACKED_S)
             freed: list[Handle] = []
             for p in ids:
                 page = self._pages[p]
-                if page.state is PageState.PREPARED:
+                if page.state is _PREPARED_S:
                     freed.extend(page.handles)
                     page.handles = []
-                    page.state = PageState.UNBACKED
+                    page.state = _UNBACKED_S
             errors = self._give_back(freed)
             if errors:
                 raise errors[0]
@@ -473,9 +543,9 @@ class LocalPageMapper:
     def abort_unmap(self, page_ids: Sequence[int]) -> None:
         with self._lock:
             self._usable()
-            ids = self._validate("abort_unmap", page_ids, PageState.PREPARED)
+            ids = self._validate("abort_unmap", page_ids, _PREPARED_S)
             if ids:
-                self._transact(ids, _Slot.BACKED, _Slot.ZERO, PageState.MAPPED, PageState.PREPARED)
+                self._transact(ids, _BACKED, _ZERO, _MAPPED_S, _PREPARED_S)
 
     def close(self) -> None:
         """Move every page back to the zero page and release every handle (pooled,
@@ -490,12 +560,12 @@ class LocalPageMapper:
             for p, page in enumerate(self._pages):
                 for i, (va, size) in enumerate(self.cache.slots(p)):
                     try:
-                        self._move(page, i, va, size, _Slot.ZERO)
+                        self._move(page, i, va, size, _ZERO)
                     except (VmmError, _Broken) as err:
                         errors.append(err)
                 handles.extend(page.handles)
                 page.handles = []
-                page.state = PageState.UNBACKED
+                page.state = _UNBACKED_S
             handles.extend(self._pool)
             self._pool.clear()
             handles.extend(self._pending_release)
@@ -537,7 +607,7 @@ class LocalPageMapper:
         ``VmmError`` after trying them all (a handle that failed stays in ``held_bytes``
         until a later retry or ``close``)."""
         with self._lock:
-            keep = max(keep_pages, 0) * self.geometry.handles_per_page
+            keep = max(keep_pages, 0) * self._hpp
             extra = self._pool[keep:]
             del self._pool[keep:]
             retry, self._pending_release = self._pending_release, []
@@ -559,15 +629,19 @@ class LocalPageMapper:
         slots back to ``origin`` and raise (``PageQuarantined`` if a page could not be
         moved back). Any other exception fails the mapper."""
         touched: list[int] = []
+        size = self._handle_bytes
+        vas = self._range_vas
+        move = self._move
         try:
             for p in ids:
                 touched.append(p)
                 page = self._pages[p]
-                for i, (va, size) in enumerate(self.cache.slots(p)):
-                    self._move(page, i, va, size, target)
+                off = p * size
+                for i, va in enumerate(vas):
+                    move(page, i, va + off, size, target)
         except (VmmError, _Broken) as err:
             bad = self._roll_back(touched, origin, undone_state)
-            if undone_state is PageState.UNBACKED:
+            if undone_state is _UNBACKED_S:
                 # handles of pages back on the zero page return to the pool; a quarantined
                 # page keeps its handles until close
                 freed: list[Handle] = []
@@ -606,35 +680,37 @@ class LocalPageMapper:
                 page.state = state
             except (VmmError, _Broken) as err:
                 log.error("kvcore: page %d quarantined: rollback failed: %s", p, err)
-                page.state = PageState.QUARANTINED
-                page.slots = [_Slot.UNKNOWN] * len(page.slots)
+                page.state = _QUARANTINED_S
+                page.slots = [_UNKNOWN] * len(page.slots)
                 bad.append(p)
         return sorted(bad)
 
     def _move(self, page: _Page, i: int, va: int, size: int, target: _Slot) -> None:
         """Drive slot ``i`` of ``page`` to ``target`` through EMPTY; every step updates the
         recorded state only once the backend confirmed it."""
-        if page.slots[i] is target:
+        slots = page.slots
+        current = slots[i]
+        if current is target:
             return
-        if page.slots[i] is _Slot.ZERO or page.slots[i] is _Slot.BACKED:
-            self.backend.unmap(va, size)
-        elif page.slots[i] is _Slot.UNKNOWN:
+        backend = self.backend
+        if current is _ZERO or current is _BACKED:
+            backend.unmap(va, size)
+        elif current is _UNKNOWN:
             self.cache._unmap_piecewise(va, size)
-        page.slots[i] = _Slot.EMPTY
-        if target is _Slot.ZERO:
-            self.cache.map_zero(va, size)
-        elif target is _Slot.BACKED:
-            handle = page.handles[i]
-            self.backend.map(va, size, handle)
+        slots[i] = _EMPTY
+        if target is _ZERO:
+            self.cache._map_zero_range(va, size)
+        elif target is _BACKED:
+            backend.map(va, size, page.handles[i])
             try:
-                self.backend.set_access(va, size, writable=True)
+                backend.set_access(va, size, writable=True)
             except VmmError:
                 try:
-                    self.backend.unmap(va, size)
+                    backend.unmap(va, size)
                 except VmmError as err:
                     raise _Broken(va, size) from err
                 raise
-        page.slots[i] = target
+        slots[i] = target
 
     # -- handles -------------------------------------------------------------------------
 
@@ -645,7 +721,7 @@ class LocalPageMapper:
         taken = [self._pool.pop() for _ in range(min(n, len(self._pool)))]
         try:
             while len(taken) < n:
-                taken.append(self.backend.create(self.geometry.page_bytes))
+                taken.append(self.backend.create(self._handle_bytes))
                 self._live_handles += 1
         except VmmError:
             self._give_back(taken)
@@ -683,6 +759,11 @@ class LocalPageMapper:
         also_ok: PageState | None = None,
     ) -> list[int]:
         ids = [int(p) for p in page_ids]
+        pages, n = self._pages, self._num_pages
+        if (len(ids) == 1 or len(set(ids)) == len(ids)) and all(
+            0 <= p < n and pages[p].state in (need, also_ok) for p in ids
+        ):
+            return ids  # the common case; below, the same checks again to say what is wrong
         if len(set(ids)) != len(ids):
             dup = sorted({p for p in ids if ids.count(p) > 1})
             raise InvalidTransition(f"{call}: page ids repeated: {dup}", ids=dup)
@@ -699,7 +780,7 @@ class LocalPageMapper:
                 f"{call} needs pages in state {need.value!r}; got {states}",
                 ids=wrong,
                 hint="quarantined pages are never handed out again"
-                if any(self._pages[p].state is PageState.QUARANTINED for p in wrong)
+                if any(self._pages[p].state is _QUARANTINED_S for p in wrong)
                 else "",
             )
         return ids
@@ -722,7 +803,7 @@ class LocalPageMapper:
             self.cache.check_zero_page(self._unbacked())
 
     def _unbacked(self) -> list[int]:
-        return [p for p, page in enumerate(self._pages) if _Slot.ZERO in page.slots]
+        return [p for p, page in enumerate(self._pages) if _ZERO in page.slots]
 
 
 def _ranges_text(values: Sequence[int]) -> str:

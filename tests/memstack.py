@@ -77,6 +77,8 @@ def build_stack(
     reserve_min: int = 0,
     reserve_max: int = 0,
     pool_pages: int = 0,
+    refill_batch: int = 8,
+    charge_fixed_bytes: bool = False,
     retry_interval: float = 0.01,
 ) -> MemStack:
     """A fresh stack. ``device_pages`` (host only): how many page ids fit on the "device"
@@ -114,5 +116,7 @@ def build_stack(
         reserve_min=reserve_min,
         reserve_max=reserve_max,
         retry_interval=retry_interval,
+        refill_batch=refill_batch,
+        charge_fixed_bytes=charge_fixed_bytes,
     )
     return MemStack(vmm, geometry, cache, mapper, allocator)

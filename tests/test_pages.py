@@ -152,6 +152,56 @@ def test_gate_refusal_is_a_miss_with_nothing_mapped(backend: str) -> None:
     assert gate.held == 0
 
 
+def test_the_zero_page_is_charged_from_construction_to_close_when_asked(backend: str) -> None:
+    gate = UnlimitedGate()
+    stack = build_stack(backend, gate=gate, charge_fixed_bytes=True)
+    zero = stack.cache.zero_page_bytes
+    try:
+        assert zero > 0 and stack.mapper.fixed_bytes == zero
+        assert gate.held == stack.pages.stats().charged_bytes == zero
+        ids = stack.pages.acquire(2)
+        assert ids is not None and gate.held == zero + 2 * stack.pages.page_bytes
+        stack.pages.release(ids)
+        assert stack.pages.flush() and gate.held == zero
+        stack.pages.close()
+        assert gate.held == 0
+    finally:
+        stack.close()
+
+
+def test_a_gate_without_room_for_the_zero_page_refuses_the_allocator(backend: str) -> None:
+    gate = BudgetGate(limit=0)
+    with pytest.raises(PoolFailed, match="zero page"):
+        build_stack(backend, gate=gate, charge_fixed_bytes=True)
+    assert gate.held == 0
+    stack = build_stack(backend, gate=gate)  # the default leaves the zero page uncharged
+    try:
+        assert gate.held == 0
+    finally:
+        stack.close()
+
+
+def test_the_refill_maps_in_batches_and_each_joins_the_reserve(backend: str) -> None:
+    stack = build_stack(backend, reserve_min=10, reserve_max=10, refill_batch=3)
+    try:
+        assert stack.pages.flush()
+        st = stack.pages.stats()
+        assert st.reserved == 10
+        assert st.refill_mapper_calls == 4  # 3 + 3 + 3 + 1 pages
+        assert len(stack.mapped_pages()) == 10
+    finally:
+        stack.close()
+
+
+def test_refill_batch_must_be_positive(backend: str) -> None:
+    stack = build_stack(backend)
+    try:
+        with pytest.raises(ValueError, match="refill_batch"):
+            PageAllocator(stack.mapper, refill_batch=0)
+    finally:
+        stack.close()
+
+
 def test_out_of_device_memory_is_a_miss_and_leaks_nothing(backend: str) -> None:
     stack = build_stack(backend, device_pages=3)
     try:

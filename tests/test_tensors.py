@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvcore.errors import (
+    GeometryError,
     InjectedFault,
     InvalidTransition,
     OutOfDeviceMemory,
@@ -26,7 +27,13 @@ from kvcore.errors import (
 )
 from kvcore.geometry import LAYOUTS, KVGeometry, Layout
 from kvcore.mapper import PageMapper
-from kvcore.tensors import LocalPageMapper, PageState, VirtualKVCache
+from kvcore.tensors import (
+    ZERO_PAGE_MAX_BYTES,
+    LocalPageMapper,
+    PageState,
+    VirtualKVCache,
+    default_zero_page_bytes,
+)
 from kvcore.vmm.faults import FaultInjector
 from kvcore.vmm.host import HostBackend
 from tests.vmm_backends import BACKEND_PARAMS, make_backend
@@ -82,10 +89,10 @@ def mapper(cache: VirtualKVCache) -> Iterator[LocalPageMapper]:
 
 def slot_kinds(vmm: FaultInjector, cache: VirtualKVCache, page: int) -> list[str]:
     """What each slot of ``page`` holds right now, from the backend's point of view:
-    ``zero`` (the zero page at every granule), ``own`` (one whole non-zero handle) or
-    ``broken`` (anything else: a hole, a partial mapping)."""
+    ``zero`` (the zero page at every ``zero_page_bytes``), ``own`` (one whole non-zero
+    handle) or ``broken`` (anything else: a hole, a partial mapping)."""
     maps = vmm.mappings()
-    gran = cache.granularity
+    gran = cache.zero_page_bytes
     out = []
     for va, size in cache.slots(page):
         own = maps.get(va)
@@ -527,6 +534,84 @@ def test_sanity_mode_reports_a_write_into_the_zero_page(vmm: FaultInjector, layo
         assert str(stray) in str(err.value)
         cache.check_zero_page()  # the report cleaned the zero page
         mapper.map([1])
+    finally:
+        mapper.close()
+        cache.close()
+
+
+def four_granule_pages(vmm: FaultInjector, layout: Layout) -> KVGeometry:
+    """``geometry()``'s blocks on 4 pages of 4 granules each."""
+    small = geometry(vmm, layout)
+    page = 4 * small.page_bytes
+    per_page = page // small.page_block_bytes
+    return geometry(vmm, layout, page_bytes=page, num_blocks=4 * per_page)
+
+
+def test_default_zero_page_is_the_largest_divisor_of_the_page_up_to_the_cap() -> None:
+    mib = 1 << 20
+    assert 128 * mib == ZERO_PAGE_MAX_BYTES
+    assert default_zero_page_bytes(2 * mib, 2 * mib) == 2 * mib
+    assert default_zero_page_bytes(32 * mib, 2 * mib) == 32 * mib
+    assert default_zero_page_bytes(128 * mib, 2 * mib) == 128 * mib
+    assert default_zero_page_bytes(1024 * mib, 2 * mib) == 128 * mib
+    assert default_zero_page_bytes(192 * mib, 2 * mib) == 96 * mib  # 48 of 96 granules
+    assert default_zero_page_bytes(134 * mib, 2 * mib) == 2 * mib  # 67 granules: a prime
+
+
+@pytest.mark.parametrize("zero_granules", [None, 2, 1])
+def test_zero_page_spans_the_slot_and_survives_map_cycles(
+    vmm: FaultInjector, layout: Layout, zero_granules: int | None
+) -> None:
+    """A page of 4 granules: by default one zero mapping per slot (one map + one access
+    call per slot transition instead of four); a smaller ``zero_page_bytes`` tiles it."""
+    gran = vmm.granularity()
+    geo = four_granule_pages(vmm, layout)
+    zb = None if zero_granules is None else zero_granules * gran
+    cache = VirtualKVCache(vmm, geo, dtype=torch.float32, zero_page_bytes=zb)
+    mapper = LocalPageMapper(cache)
+    try:
+        assert cache.zero_page_bytes == (zb or 4 * gran)
+        assert mapper.fixed_bytes == cache.zero_page_bytes  # charged by the page allocator
+        per_slot = geo.page_bytes // cache.zero_page_bytes
+        vmm.reset_counts()
+        mapper.map([1])
+        mapper.prepare_unmap([1])
+        assert vmm.calls("map") == geo.handles_per_page * (1 + per_slot)  # own + zero tiles
+        assert vmm.calls("set_access") == 2 * geo.handles_per_page
+        mapper.commit_unmap([1])
+        assert_consistent(vmm, mapper)
+        mapper.map([2])  # the handles pooled by page 1's commit
+        fill_block(cache, 1, 0, geo.blocks_of(2)[0], 3.0)
+        assert block_sum(cache, 1, 0, geo.blocks_of(2)[0]) > 0.0
+        assert block_sum(cache, 1, 0, geo.blocks_of(3)[0]) == 0.0  # unbacked: zeros
+        assert_consistent(vmm, mapper)
+    finally:
+        mapper.close()
+        cache.close()
+    assert vmm.live_handles == set()
+
+
+@pytest.mark.parametrize("bad", [3, 5, 0])
+def test_zero_page_size_must_tile_the_page(vmm: FaultInjector, bad: int) -> None:
+    gran = vmm.granularity()
+    geo = four_granule_pages(vmm, "compound")
+    with pytest.raises(GeometryError, match="zero_page_bytes"):
+        VirtualKVCache(vmm, geo, zero_page_bytes=bad * gran)
+    assert vmm.live_handles == set()
+
+
+def test_sanity_mode_names_the_block_through_a_slot_sized_zero_page(vmm: FaultInjector) -> None:
+    gran = vmm.granularity()
+    geo = four_granule_pages(vmm, "per-layer")
+    cache = VirtualKVCache(vmm, geo, dtype=torch.float32, sanity=True)
+    mapper = LocalPageMapper(cache)
+    try:
+        assert cache.zero_page_bytes == 4 * gran
+        stray = geo.blocks_of(1)[-1]  # the last block of the page: the zero page's far end
+        fill_block(cache, 0, 1, stray, 1.0)
+        with pytest.raises(ZeroPageWritten) as err:
+            mapper.map([0])
+        assert (0, 1, stray) in err.value.candidates
     finally:
         mapper.close()
         cache.close()

@@ -9,6 +9,12 @@ Context: the backend retains the device's *primary* context (the one torch's run
 and makes it current on whichever thread calls it, once per thread, so the page allocator's
 refill thread can call it as well as the scheduler thread.
 
+Hot path. ``create``, ``map``, ``set_access``, ``unmap`` and ``release`` are meant to cost
+no more than the bare driver call (the GPU suite's figure (a) holds them to 1.1x raw
+``cuda.bindings``): the allocation properties and both access descriptors are built once,
+the per-thread context check is one attribute read, handle objects are found without a lock,
+and an error's context (the call's arguments) is built only once the call failed.
+
 Physical memory is pinned device memory; the POSIX file-descriptor handle type is requested
 where the device supports it (so handles could be exported later). ``set_access(...,
 writable=False)`` asks for ``CU_MEM_ACCESS_FLAGS_PROT_READ``; should a driver refuse
@@ -27,7 +33,7 @@ import threading
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from kvcore.errors import BackendUnavailable, VmmError
+from kvcore.errors import BackendUnavailable, OutOfDeviceMemory, VmmError
 from kvcore.vmm._driver import code_name, device_tensor, unpack
 from kvcore.vmm.base import Handle, MemInfo, VmmBackend
 
@@ -58,6 +64,27 @@ def _check(call: str, args: dict[str, object], result: Any) -> Any:
     return unpack(call, args, result, success=_SUCCESS, oom=oom)
 
 
+def _failed(call: str, args: dict[str, object], err: Any) -> VmmError:
+    """The error of a failed hot-path call, built only after the failure
+    (``OutOfDeviceMemory`` for ``CUDA_ERROR_OUT_OF_MEMORY`` from ``cuMemCreate``)."""
+    cls = OutOfDeviceMemory if call == "cuMemCreate" and err == _OOM else VmmError
+    return cls(call, args, code_name(err))
+
+
+def _unknown_handle(call: str, handle: Handle) -> VmmError:
+    return VmmError(
+        call,
+        {"handle": int(handle)},
+        "CUDA_ERROR_INVALID_VALUE",
+        hint="unknown or released handle",
+    )
+
+
+class _ThreadState(threading.local):
+    current = False
+    """True once this thread made the backend's context current."""
+
+
 class CudaBackend(VmmBackend):
     """CUDA VMM on device ordinal ``device``. ``granularity="recommended"`` (default) or
     ``"minimum"`` picks which driver granularity sizes are multiples of."""
@@ -74,7 +101,9 @@ class CudaBackend(VmmBackend):
             )
         self.device = device
         self._lock = threading.Lock()
-        self._local = threading.local()
+        self._local = _ThreadState()
+        # handle key -> the binding's handle object. The hot path reads and writes it with
+        # single dict operations (atomic); close() takes its snapshot under _lock
         self._handles: dict[int, Any] = {}
         self._closed = False
         try:
@@ -91,6 +120,9 @@ class CudaBackend(VmmBackend):
         )
         self._make_current()
         self._prop = self._allocation_prop()
+        access = _drv.CUmemAccess_flags
+        self._access_rw = [self._access_desc(access.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)]
+        self._access_ro = [self._access_desc(access.CU_MEM_ACCESS_FLAGS_PROT_READ)]
         flags = _drv.CUmemAllocationGranularity_flags
         self.min_granularity = int(
             _check(
@@ -148,62 +180,76 @@ class CudaBackend(VmmBackend):
     # -- physical memory -----------------------------------------------------------------
 
     def create(self, size: int) -> Handle:
-        self._make_current()
-        handle = _check(
-            "cuMemCreate",
-            {"size": size, "device": self.device},
-            _drv.cuMemCreate(size, self._prop, 0),
-        )
-        key = int(handle)
-        with self._lock:
-            self._handles[key] = handle
-        return Handle(key)
+        if not self._local.current:
+            self._make_current()
+        err, handle = _drv.cuMemCreate(size, self._prop, 0)
+        if err != _SUCCESS:
+            raise _failed("cuMemCreate", {"size": size, "device": self.device}, err)
+        key: Handle = int(handle)  # type: ignore[assignment]
+        self._handles[key] = handle
+        return key
 
     def release(self, handle: Handle) -> None:
-        self._make_current()
-        obj = self._handle("cuMemRelease", handle)
-        _check("cuMemRelease", {"handle": int(handle)}, _drv.cuMemRelease(obj))
-        with self._lock:
-            self._handles.pop(int(handle), None)
+        if not self._local.current:
+            self._make_current()
+        obj = self._handles.get(handle)
+        if obj is None:
+            raise _unknown_handle("cuMemRelease", handle)
+        (err,) = _drv.cuMemRelease(obj)
+        if err != _SUCCESS:
+            raise _failed("cuMemRelease", {"handle": int(handle)}, err)
+        self._handles.pop(handle, None)
 
     # -- mappings ------------------------------------------------------------------------
 
     def map(self, va: int, size: int, handle: Handle) -> None:
-        self._make_current()
-        obj = self._handle("cuMemMap", handle)
-        _check(
-            "cuMemMap",
-            {"va": va, "size": size, "offset": 0, "handle": int(handle)},
-            _drv.cuMemMap(va, size, 0, obj, 0),
-        )
+        if not self._local.current:
+            self._make_current()
+        obj = self._handles.get(handle)
+        if obj is None:
+            raise _unknown_handle("cuMemMap", handle)
+        (err,) = _drv.cuMemMap(va, size, 0, obj, 0)
+        if err != _SUCCESS:
+            raise _failed(
+                "cuMemMap", {"va": va, "size": size, "offset": 0, "handle": int(handle)}, err
+            )
 
     def set_access(self, va: int, size: int, *, writable: bool = True) -> None:
-        self._make_current()
-        flags = _drv.CUmemAccess_flags
-        want_rw = writable or not self.read_only_supported
-        rw, ro = flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE, flags.CU_MEM_ACCESS_FLAGS_PROT_READ
-        desc = self._access_desc(rw if want_rw else ro)
-        args: dict[str, object] = {"va": va, "size": size, "writable": want_rw}
-        result = _drv.cuMemSetAccess(va, size, [desc], 1)
-        if not want_rw and result[0] in _REFUSED:
-            log.warning(
-                "kvcore cuda: the driver refused read-only access (%s); mapping the zero page "
-                "read-write instead (use sanity mode to catch stray writes)",
-                code_name(result[0]),
-            )
-            self.read_only_supported = False
-            desc = self._access_desc(rw)
-            args["writable"] = True
-            result = _drv.cuMemSetAccess(va, size, [desc], 1)
-        _check("cuMemSetAccess", args, result)
+        if not self._local.current:
+            self._make_current()
+        if writable or not self.read_only_supported:
+            (err,) = _drv.cuMemSetAccess(va, size, self._access_rw, 1)
+            if err != _SUCCESS:
+                raise _failed("cuMemSetAccess", {"va": va, "size": size, "writable": True}, err)
+            return
+        (err,) = _drv.cuMemSetAccess(va, size, self._access_ro, 1)
+        if err == _SUCCESS:
+            return
+        if err not in _REFUSED:
+            raise _failed("cuMemSetAccess", {"va": va, "size": size, "writable": False}, err)
+        log.warning(
+            "kvcore cuda: the driver refused read-only access (%s); mapping the zero page "
+            "read-write instead (use sanity mode to catch stray writes)",
+            code_name(err),
+        )
+        self.read_only_supported = False
+        (err,) = _drv.cuMemSetAccess(va, size, self._access_rw, 1)
+        if err != _SUCCESS:
+            raise _failed("cuMemSetAccess", {"va": va, "size": size, "writable": True}, err)
 
     def unmap(self, va: int, size: int) -> None:
-        self._make_current()
-        _check("cuMemUnmap", {"va": va, "size": size}, _drv.cuMemUnmap(va, size))
+        if not self._local.current:
+            self._make_current()
+        (err,) = _drv.cuMemUnmap(va, size)
+        if err != _SUCCESS:
+            raise _failed("cuMemUnmap", {"va": va, "size": size}, err)
 
     def synchronize(self) -> None:
-        self._make_current()
-        _check("cuCtxSynchronize", {}, _drv.cuCtxSynchronize())
+        if not self._local.current:
+            self._make_current()
+        (err,) = _drv.cuCtxSynchronize()
+        if err != _SUCCESS:
+            raise _failed("cuCtxSynchronize", {}, err)
 
     def as_tensor(self, va: int, size: int, dtype: torch.dtype) -> torch.Tensor:
         self._make_current()
@@ -230,22 +276,10 @@ class CudaBackend(VmmBackend):
     # -- internals -----------------------------------------------------------------------
 
     def _make_current(self) -> None:
-        if getattr(self._local, "current", False):
+        if self._local.current:
             return
         _check("cuCtxSetCurrent", {"device": self.device}, _drv.cuCtxSetCurrent(self._ctx))
         self._local.current = True
-
-    def _handle(self, call: str, handle: Handle) -> Any:
-        with self._lock:
-            obj = self._handles.get(int(handle))
-        if obj is None:
-            raise VmmError(
-                call,
-                {"handle": int(handle)},
-                "CUDA_ERROR_INVALID_VALUE",
-                hint="unknown or released handle",
-            )
-        return obj
 
     def _location(self) -> Any:
         loc = _drv.CUmemLocation()

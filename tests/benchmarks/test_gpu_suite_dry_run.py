@@ -288,3 +288,21 @@ def test_gpu_sizes_make_valid_geometries(suite: ModuleType, mode: str) -> None:
     decided = {f"kvcore {lay}, {suite.size_text(pb)} pages" for lay, pb in sz.bw_variants}
     for layout in ("compound", "per-layer"):  # decide_layout finds both default-size variants
         assert f"kvcore {layout}, {suite.size_text(sz.page_unit)} pages" in decided
+
+
+def test_vmm_python_overhead_runs_on_the_stub_driver() -> None:
+    """The CPU microbenchmark of the VMM hot path's Python overhead (a subprocess: it
+    installs a stub ``cuda.bindings.driver`` into its own ``sys.modules``)."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "vmm_python_overhead.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--reps", "3", "--inner", "20", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ops = json.loads(proc.stdout)["ops"]
+    assert {"map", "set_access", "unmap", "create+release"} <= set(ops)
+    assert any(name.startswith("mapper map+unmap cycle (per-layer") for name in ops)
+    for fig in ops.values():
+        assert fig["kvcore_ns"] > 0 and fig["raw_ns"] > 0
