@@ -20,6 +20,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from kvcore.errors import UnsupportedConfiguration
 
+from .harness import HOST as HOST_CONFIG
 from .harness import PATCHED, build, requires_cpu_paged_kernels, requires_fork
 from .test_conformance import extend, radix
 
@@ -236,3 +237,89 @@ def test_rank_registers_in_the_gpu_ledger_and_leaves_it(tmp_path: Any) -> None:
         assert ledger.snapshot().records == ()  # clean shutdown removes the rank's record
     finally:
         ledger.close()
+
+
+class _ConfiguratorStub:
+    """Stands in for a ``KVCacheConfigurator`` *instance* so the real, patched
+    ``KVCacheConfigurator.configure`` runs without a model: building the real one needs a
+    model config, a model and a distributed runtime. Its collaborators are the real pool and
+    allocator classes; only the sizing steps (model-dependent) are fixed numbers here."""
+
+    device = "cpu"
+    gpu_id = 0
+    kv_cache_dtype = torch.bfloat16
+    use_mla_backend = False
+    is_draft_worker = False
+    memory_pool_config = None
+    req_to_token_pool = None
+    token_to_kv_pool_allocator = None
+
+    class spec_algorithm:
+        @staticmethod
+        def is_none() -> bool:
+            return True
+
+    def _resolve_memory_pool_config(self, pre_model_load_memory: int) -> Any:
+        return None
+
+    def _derive_pool_sizes(self, *, config: Any) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(
+            max_total_num_tokens=2048,
+            max_running_requests=8,
+            full_max_total_num_tokens=None,
+            swa_max_total_num_tokens=None,
+        )
+
+    def _init_pools(self, *, sizes: Any, req_to_token_pool: Any, token_to_kv_pool_allocator: Any):
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.kv_cache_configurator import _InitializedPools
+
+        pool = memory_pool.MHATokenToKVPool(
+            size=2048,
+            page_size=16,
+            dtype=torch.bfloat16,
+            head_num=2,
+            head_dim=64,
+            layer_num=2,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+        alloc = PagedTokenToKVPoolAllocator(2048, 16, torch.bfloat16, "cpu", pool, False)
+        rtt = memory_pool.ReqToTokenPool(
+            size=8, max_context_len=4096, device="cpu", enable_memory_saver=False
+        )
+        return _InitializedPools(
+            req_to_token_pool=rtt, token_to_kv_pool=pool, token_to_kv_pool_allocator=alloc
+        )
+
+
+@pytest.mark.parametrize("elastic", [False, True], ids=["off", "on"])
+def test_patched_configurator_builds_elastic_pools_only_when_asked(elastic: bool) -> None:
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    from kvcore.adapters.sglang import ElasticPagedTokenToKVPoolAllocator
+
+    set_global_server_args_for_scheduler(
+        ServerArgs(model_path="dummy", kvcore_elastic=elastic, kvcore_config=HOST_CONFIG)
+    )
+    result = KVCacheConfigurator.configure(_ConfiguratorStub(), pre_model_load_memory=0)
+    alloc, pool = result.token_to_kv_pool_allocator, result.token_to_kv_pool
+    try:
+        assert memory_pool.KV_BUFFER_HOOK is None
+        if not elastic:  # exactly upstream's objects
+            assert type(alloc) is PagedTokenToKVPoolAllocator
+            assert not hasattr(pool, "kvcore_manager")
+            return
+        assert isinstance(alloc, ElasticPagedTokenToKVPoolAllocator)
+        assert alloc.get_kvcache() is pool and alloc.ledger is pool.kvcore_manager.ledger
+        idx = alloc.alloc(64)
+        pool.k_buffer[1][idx] = 1.0
+        assert pool.kvcore_manager.stats().in_use >= 1
+    finally:
+        manager = getattr(pool, "kvcore_manager", None)
+        if manager is not None:
+            manager.close()
