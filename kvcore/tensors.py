@@ -101,7 +101,8 @@ class VirtualKVCache:
 
     ``dtype`` is the default element type of ``view``. ``geometry.granularity`` must be the
     backend's granularity (or a multiple of it). ``zero_page_bytes`` sizes the shared zero
-    page (default ``default_zero_page_bytes(page_bytes, granularity)``; module docstring).
+    page (default ``default_zero_page_bytes(page_bytes, granularity)``, one granule with
+    ``sanity``, whose check reads all of it before every transition; module docstring).
     Construction maps the zero page everywhere; ``close()`` unmaps it and frees the ranges
     (a ``LocalPageMapper`` on the cache must be closed first). Raises ``VmmError`` (nothing
     left reserved) if the backend refuses, ``GeometryError`` for sizes that do not tile.
@@ -123,8 +124,8 @@ class VirtualKVCache:
                 f"backend's granularity {gran}",
                 hint=f"build the KVGeometry with granularity={gran}",
             )
-        if zero_page_bytes is None:
-            zero_page_bytes = default_zero_page_bytes(geometry.page_bytes, gran)
+        if zero_page_bytes is None:  # sanity mode scans it before every transition: keep it small
+            zero_page_bytes = gran if sanity else default_zero_page_bytes(geometry.page_bytes, gran)
         if zero_page_bytes <= 0 or zero_page_bytes % gran or geometry.page_bytes % zero_page_bytes:
             raise GeometryError(
                 f"zero_page_bytes={zero_page_bytes} must be a multiple of the granularity "
@@ -734,6 +735,9 @@ class LocalPageMapper:
 
     def _give_back(self, handles: list[Handle]) -> list[BaseException]:
         room = max(0, self.pool_max - len(self._pool))
+        if len(handles) <= room and not self._pending_release:  # all to the pool
+            self._pool.extend(handles)
+            return []
         self._pool.extend(handles[:room])
         retry, self._pending_release = self._pending_release, []
         return self._release_all(handles[room:] + retry)
@@ -760,7 +764,11 @@ class LocalPageMapper:
     ) -> list[int]:
         ids = [int(p) for p in page_ids]
         pages, n = self._pages, self._num_pages
-        if (len(ids) == 1 or len(set(ids)) == len(ids)) and all(
+        if len(ids) == 1:  # the most common call: one page id
+            p = ids[0]
+            if 0 <= p < n and pages[p].state in (need, also_ok):
+                return ids
+        elif len(set(ids)) == len(ids) and all(
             0 <= p < n and pages[p].state in (need, also_ok) for p in ids
         ):
             return ids  # the common case; below, the same checks again to say what is wrong

@@ -603,7 +603,10 @@ def test_zero_page_size_must_tile_the_page(vmm: FaultInjector, bad: int) -> None
 def test_sanity_mode_names_the_block_through_a_slot_sized_zero_page(vmm: FaultInjector) -> None:
     gran = vmm.granularity()
     geo = four_granule_pages(vmm, "per-layer")
-    cache = VirtualKVCache(vmm, geo, dtype=torch.float32, sanity=True)
+    small = VirtualKVCache(vmm, geo, sanity=True)
+    assert small.zero_page_bytes == gran  # sanity's default: cheap to scan
+    small.close()
+    cache = VirtualKVCache(vmm, geo, dtype=torch.float32, sanity=True, zero_page_bytes=4 * gran)
     mapper = LocalPageMapper(cache)
     try:
         assert cache.zero_page_bytes == 4 * gran
