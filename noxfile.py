@@ -157,3 +157,24 @@ SGLANG_TEST_SESSIONS = [
     if rel.name == "sglang"
     if (s := _sglang_test_session(rel.version, rel.short))
 ]
+
+
+# --- co-location demo (benchmarks/colocate.py): vLLM's real v1 scheduler in two engine-core
+# processes with a stand-in executor, one KV budget, elastic (kvcore + per-GPU ledger, host
+# backend) vs static (upstream, budget split evenly). Runs on CPU in a few minutes. ---
+DEMO_VLLM = "0.33.0"
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """Co-location demo on CPU: two vLLM engine cores, one KV budget, elastic vs static."""
+    requirements = ROOT / "tests" / "engines" / "vllm" / f"requirements-{DEMO_VLLM}.txt"
+    session.install("--no-deps", TORCH, "-r", str(requirements))
+    session.install("matplotlib", "rich")
+    session.install("--no-deps", "-e", ".")
+    built = session.run(
+        "python", "-m", "patchq", "build", "vllm", DEMO_VLLM, "--no-install-check", silent=True
+    )
+    wheel = str(built).strip().splitlines()[-1]  # patchq build prints the wheel path last
+    session.install("--no-deps", "--force-reinstall", wheel)
+    session.run("python", "benchmarks/colocate.py", *session.posargs)
