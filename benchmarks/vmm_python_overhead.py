@@ -34,9 +34,10 @@ MiB = 1 << 20
 # --------------------------------------------------------------------------- the stub driver
 
 
-def _stub_driver() -> types.ModuleType:
+def stub_driver() -> types.ModuleType:
     """A ``cuda.bindings.driver`` look-alike: the names kvcore's backend and the raw
-    baseline use, every call a no-op returning ``(CUDA_SUCCESS, *values)``."""
+    baseline use, every call a no-op returning ``(CUDA_SUCCESS, *values)`` (also the
+    CPU tests' stand-in for the driver: ``tests/vmm/test_cuda_stub.py``)."""
     drv = types.ModuleType("cuda.bindings.driver")
 
     class CUresult(enum.IntEnum):
@@ -101,7 +102,7 @@ def _stub_driver() -> types.ModuleType:
 
 
 def _install_stub() -> types.ModuleType:
-    drv = _stub_driver()
+    drv = stub_driver()
     cuda = types.ModuleType("cuda")
     bindings = types.ModuleType("cuda.bindings")
     bindings.driver = drv  # type: ignore[attr-defined]
