@@ -124,6 +124,7 @@ class ElasticScope:
     def _manager(
         self, pool: Any, *, kv_buffers: int, row: tuple[int, ...], rows: int
     ) -> ElasticKVManager:
+        self._check_ranks_agree()
         row_bytes = pool.store_dtype.itemsize
         for d in row:
             row_bytes *= d
@@ -139,6 +140,22 @@ class ElasticScope:
         )
         self.managers.append(manager)
         return manager
+
+    def _check_ranks_agree(self) -> None:
+        """SGLang's TP ranks each run the same scheduler on the same inputs and must take the
+        same decisions. Without a physical budget every rank's capacity is the ledger's
+        logical count (identical on all ranks; a device shortage fails loudly on the rank
+        that hits it). A budget (``limit_bytes``, ``gpu_ledger``) makes capacity depend on
+        each GPU's own state, which would need a per-step agreement across ranks that this
+        adapter does not implement yet: refuse it."""
+        budget = self.config.limit_bytes is not None or self.config.gpu_ledger
+        tp, pp = _parallel_sizes()
+        if budget and tp * pp > 1:
+            raise UnsupportedConfiguration(
+                f"kvcore elastic KV with a physical budget (limit_bytes / gpu_ledger) at "
+                f"TP {tp} x PP {pp}: the ranks' admission decisions would diverge",
+                hint="drop limit_bytes and gpu_ledger from --kvcore-config, or run on one GPU",
+            )
 
     @staticmethod
     def _check_common(pool: Any) -> None:
@@ -171,3 +188,17 @@ class ElasticScope:
                 f"kvcore elastic KV does not support {', '.join(bad)}",
                 hint="turn the named option off or start without --kvcore-elastic",
             )
+
+
+def _parallel_sizes() -> tuple[int, int]:
+    """This engine's (TP, PP) sizes; (1, 1) where SGLang's parallel context is not published
+    (tests and tools building pools directly)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    sizes = []
+    for name in ("tp_size", "pp_size"):
+        try:
+            sizes.append(int(getattr(get_parallel(), name)))
+        except (RuntimeError, ValueError, AttributeError):
+            sizes.append(1)
+    return sizes[0], sizes[1]

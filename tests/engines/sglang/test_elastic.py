@@ -360,3 +360,17 @@ def test_leak_check_conserves_kvcore_accounting(make: Any) -> None:
     assert not leak, msg
     leak, msg = SchedulerInvariantChecker._check_full_pool(checker, stats, uncached=0)
     assert leak, msg  # 32 tokens nobody accounts for
+
+
+@pytest.mark.parametrize("budget", [{"limit_bytes": 1 << 30}, {"gpu_ledger": True}])
+def test_physical_budget_with_tensor_parallel_is_refused(budget: dict[str, Any]) -> None:
+    """TP ranks run the same scheduler on the same inputs; a per-GPU budget would let their
+    admission decisions diverge, so it is refused at start-up (no budget: allowed)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(tp_size=2, attn_tp_size=2, moe_tp_size=2):
+        with pytest.raises(UnsupportedConfiguration, match="TP 2"):
+            build("on", size=256, page_size=16, **budget)
+        assert memory_pool.KV_BUFFER_HOOK is None
+        e = build("on", size=256, page_size=16)
+        e.scope.close()
