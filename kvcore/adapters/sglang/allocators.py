@@ -10,9 +10,10 @@ computation expands the block ids to token indices. Freeing hands ids back to th
 which unmaps (or parks in the reserve) every page whose blocks are all free.
 
 A physical miss (budget or device exhausted) makes ``alloc*`` return ``None``, exactly what
-upstream returns when its free list is short; ``available_size()`` already reports the
-physical room (the gate's headroom), so SGLang's admission and decode-retraction checks see
-the shortage before they allocate.
+upstream returns when its free list is short. Under a budget (``limit_bytes``,
+``gpu_ledger``) ``available_size()`` reports the physical room (the gate's headroom), so
+SGLang's admission and decode-retraction checks see the shortage before they allocate;
+without one it reports the ledger's logical free count, identical on every TP rank.
 
 ``max_cached_tokens`` (``--kvcore-config``) bounds the prefix cache: every allocation's
 eviction pass (``evict_to_free_tokens``, which SGLang 0.5.23+ calls before each allocation)
@@ -59,6 +60,7 @@ class _ElasticMixin:
     kvcore: ElasticKVManager
     ledger: BlockLedger
     max_cached_tokens: int | None
+    _budgeted: bool
 
     def _bind(self, kvcache: Any) -> None:
         manager = getattr(kvcache, "kvcore_manager", None)
@@ -73,6 +75,7 @@ class _ElasticMixin:
         self.kvcore = manager
         self.ledger = manager.ledger
         self.max_cached_tokens = manager.config.max_cached_tokens
+        self._budgeted = manager.config.limit_bytes is not None or manager.config.gpu_ledger
         if self.max_cached_tokens is not None and not _eviction_asks_allocator():
             raise UnsupportedConfiguration(
                 "--kvcore-config max_cached_tokens needs SGLang >= 0.5.23: this SGLang's "
@@ -99,6 +102,13 @@ class _ElasticMixin:
         ledger = self.ledger
         free = [b for b in range(1, ledger.geometry.num_blocks) if not ledger.is_allocated(b)]
         return torch.tensor(free, dtype=torch.int64, device=self.device)
+
+    def _available_blocks(self) -> int:
+        """Blocks SGLang may plan with: the physical room under a budget, else the logical
+        free count (the same on every TP rank, whatever the background refill is doing)."""
+        if self._budgeted:
+            return self.ledger.available()
+        return self.ledger.geometry.num_blocks - self.ledger.used()
 
     def conservation_available_size(self) -> int:
         """Tokens the ledger holds free (logical, not capped by the physical budget): the
@@ -145,7 +155,7 @@ class ElasticTokenToKVPoolAllocator(_ElasticMixin, TokenToKVPoolAllocator):  # t
         self.release_pages = self._empty
 
     def available_size(self) -> int:
-        return self.ledger.available()
+        return self._available_blocks()
 
     def get_all_free_pages(self) -> torch.Tensor:
         return self._free_ids()
@@ -206,7 +216,7 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
         self.free_pages = self._empty
 
     def available_size(self) -> int:
-        return self.ledger.available() * self.page_size
+        return self._available_blocks() * self.page_size
 
     def get_all_free_pages(self) -> torch.Tensor:
         return self._free_ids()
