@@ -719,7 +719,12 @@ class LocalPageMapper:
         """``n`` handles of ``page_bytes``: pooled ones first, then new ones. On failure
         everything taken goes back and the error is raised (``OutOfDeviceMemory``: a
         miss)."""
-        taken = [self._pool.pop() for _ in range(min(n, len(self._pool)))]
+        pool = self._pool
+        if len(pool) >= n:  # the pool covers it: no driver call
+            taken = pool[len(pool) - n :]
+            del pool[len(pool) - n :]
+            return taken
+        taken = [pool.pop() for _ in range(len(pool))]
         try:
             while len(taken) < n:
                 taken.append(self.backend.create(self._handle_bytes))
