@@ -234,16 +234,18 @@ class StepSample:
     """One instance after one round."""
 
     held_bytes: int
+    """KV memory the instance holds (elastic: charged to the ledger; static: its share)."""
     used_bytes: int
-    running: int
-    waiting: int
+    """Bytes of the blocks allocated to requests (the null block excluded)."""
     preempted: int
-    finished: int
     tokens: int
 
 
 @dataclass
 class RequestRecord:
+    """One request's life in rounds: arrival, first scheduled, finished (``None``: not
+    yet), and how often it was preempted."""
+
     arrival: int
     first_scheduled: int | None = None
     finished: int | None = None
@@ -479,20 +481,11 @@ class _Instance:
             self.records[req_id].preemptions += 1
         runner_output = self.executor.execute(out)
         tokens = sum(len(s) for s in runner_output.sampled_token_ids)
-        finished = 0
         for outputs in sched.update_from_output(out, runner_output).values():
             for o in outputs.outputs:
                 if o.finish_reason is not None:
                     self.records[o.request_id].finished = t
-                    finished += 1
-        return StepSample(
-            *self._memory(),
-            running=len(sched.running),
-            waiting=len(sched.waiting),
-            preempted=len(preempted),
-            finished=finished,
-            tokens=tokens,
-        )
+        return StepSample(*self._memory(), preempted=len(preempted), tokens=tokens)
 
     def _memory(self) -> tuple[int, int]:
         """(bytes held, bytes of blocks in use)."""
@@ -500,7 +493,7 @@ class _Instance:
             pages = self.memory.pages
             pages.trim()  # the end of the step: idle pages go back to the ledger ...
             pages.flush()  # ... before the next instance steps
-            used = self.memory.ledger.used() * BLOCK_BYTES
+            used = (self.memory.ledger.used() - 1) * BLOCK_BYTES  # less the null block
             return pages.stats().charged_bytes, used
         pool = self.scheduler.kv_cache_manager.block_pool
         used = (pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()) * BLOCK_BYTES
