@@ -159,6 +159,92 @@ SGLANG_TEST_SESSIONS = [
 ]
 
 
+# --- vLLM engine tests (tests/engines/vllm/): the pinned release's own tests/v1/core three
+# ways (upstream wheel; forked wheel with elastic KV off; forked wheel with elastic KV on),
+# then kvcore's tests against the real vLLM scheduler. One session per pinned vLLM release
+# that has a pinned CPU dependency list. ---
+VLLM_TESTS = ROOT / "tests" / "engines" / "vllm"
+
+
+def _vllm_test_session(version: str, short: str) -> str | None:
+    requirements = VLLM_TESTS / f"requirements-{version}.txt"
+    if not requirements.exists():
+        return None
+    name = f"test-vllm-{short}"
+
+    def test_vllm(session: nox.Session) -> None:
+        session.install("--no-deps", TORCH, "-r", str(requirements))
+        session.install("--no-deps", "-e", ".")
+        # torchvision: registry wheels link CUDA torch; an import-only stand-in (see its doc)
+        env = {"PYTHONPATH": str(SGLANG_TESTS / "shim")}
+        out = Path(session.create_tmp()) / f"vllm-{version}"
+        suite = ("python", str(VLLM_TESTS / "upstream_suite.py"))
+        fetch = ("python", "-m", "patchq", "fetch", "vllm", version, "wheel")
+        wheel = str(session.run(*fetch, silent=True)).strip().splitlines()[-1]
+        session.install("--no-deps", "--force-reinstall", wheel)
+        runs = [str(out / "upstream.json")]
+        session.run(
+            *suite,
+            "run",
+            "--version",
+            version,
+            "--mode",
+            "upstream",
+            "--out",
+            runs[0],
+            *session.posargs,
+            env=env,
+        )
+        if (ROOT / "patches" / "vllm" / version / "series").exists():
+            session.run(
+                "python",
+                "-m",
+                "patchq",
+                "build",
+                "vllm",
+                version,
+                "--no-install-check",
+                silent=True,
+            )
+            forked = sorted(
+                (ROOT / "dist").glob(f"vllm-{version}+kvcore.*.whl"),
+                key=lambda p: p.stat().st_mtime,
+            )
+            if not forked:
+                session.error("patchq build produced no forked vLLM wheel")
+            session.install("--no-deps", "--force-reinstall", str(forked[-1]))
+            for mode in ("elastic-off", "elastic-on"):
+                runs.append(str(out / f"{mode}.json"))
+                session.run(
+                    *suite,
+                    "run",
+                    "--version",
+                    version,
+                    "--mode",
+                    mode,
+                    "--out",
+                    runs[-1],
+                    *session.posargs,
+                    env=env,
+                )
+            session.run("pytest", "-q", str(VLLM_TESTS), env={**env, "PYTHONHASHSEED": "0"})
+        else:
+            session.log(f"no patch series for vllm {version}: upstream run only")
+        session.run(*suite, "compare", *runs, env=env)
+
+    test_vllm.__doc__ = (
+        f"vLLM {version} tests/v1/core on CPU three ways (upstream, elastic off, elastic on) "
+        "and kvcore's scheduler tests."
+    )
+    nox.session(name=name, python=PYTHON)(test_vllm)
+    return name
+
+
+VLLM_TEST_SESSIONS = [
+    s for rel in MATRIX if rel.name == "vllm" if (s := _vllm_test_session(rel.version, rel.short))
+]
+
+
 # --- co-location demo (benchmarks/colocate.py): vLLM's real v1 scheduler in two engine-core
 # processes with a stand-in executor, one KV budget, elastic (kvcore + per-GPU ledger, host
 # backend) vs static (upstream, budget split evenly). Runs on CPU in a few minutes. ---

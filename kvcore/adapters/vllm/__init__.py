@@ -1,0 +1,22 @@
+"""kvcore's vLLM adapter: the logic behind ``patches/vllm/<version>/``.
+
+The patches are seams only (a flag, a settings carrier, the block pool's class, the KV
+buffer's allocation); what they call is here:
+
+* ``runtime`` — ``elastic_settings`` (start-up validation, the engine core),
+  ``elastic_kv_buffer`` (the worker's KV buffer on a kvcore virtual tensor),
+  ``elastic_block_pool_class`` (the scheduler's block pool);
+* ``pool`` — ``ElasticBlockPool``, vLLM's own ``BlockPool`` over a kvcore ``BlockLedger``;
+* ``checks`` — which vLLM configurations elastic KV supports.
+
+Importing ``runtime`` does not import vLLM; ``pool`` does (it subclasses vLLM's class).
+"""
+
+from kvcore.adapters.vllm.runtime import (
+    elastic_block_pool_class,
+    elastic_kv_buffer,
+    elastic_settings,
+    manager_for,
+)
+
+__all__ = ["elastic_block_pool_class", "elastic_kv_buffer", "elastic_settings", "manager_for"]

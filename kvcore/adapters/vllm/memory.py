@@ -1,0 +1,154 @@
+"""The kvcore object chain behind one vLLM KV cache in one process.
+
+``ElasticKVMemory(config, num_blocks=, block_bytes=)`` (``config``: the parsed
+``--kvcore-config``, ``kvcore.adapters.config.ElasticConfig``) owns, for one process, the VMM
+backend, a ``VirtualKVCache`` whose rows are vLLM blocks (block-outermost: block ``b`` of
+every layer is the ``block_bytes`` row ``b``), its ``LocalPageMapper``, a ``PageAllocator``
+gated by ``limit_bytes`` (or, with ``gpu_ledger``, by this instance's record in the per-GPU
+ledger, which is how two engines share one GPU's budget) and the ``BlockLedger`` the elastic
+block pool draws from. Block 0 is vLLM's null block: reserved, its page stays backed.
+
+(SGLang's adapter has the same chain for its pools; the two should move into one
+engine-agnostic module of kvcore's core once both settle.)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcore.accounting import BudgetGate, MemoryGate, UnlimitedGate
+from kvcore.adapters.config import ElasticConfig
+from kvcore.blocks import BlockLedger
+from kvcore.geometry import KVGeometry
+from kvcore.pages import PageAllocator, PageStats
+from kvcore.tensors import LocalPageMapper, VirtualKVCache
+from kvcore.vmm import open_backend
+
+__all__ = ["ElasticKVMemory", "settings_dict"]
+
+log = logging.getLogger(__name__)
+
+
+def settings_dict(config: ElasticConfig) -> dict[str, Any]:
+    """``config`` as plain JSON-able data (it travels inside ``KVCacheConfig``)."""
+    out = asdict(config)
+    out["backend_options"] = dict(config.backend_options)
+    return out
+
+
+class ElasticKVMemory:
+    """kvcore memory behind one vLLM KV cache in this process (module docstring).
+
+    Raises ``BackendUnavailable``/``VmmError`` when the backend cannot be opened or cannot
+    reserve the range, ``GeometryError`` when a page cannot hold whole blocks (its hint names
+    sizes that work), ``PoolFailed`` when the null block's page cannot be mapped; nothing is
+    left reserved or mapped on failure.
+    """
+
+    def __init__(
+        self,
+        config: ElasticConfig,
+        *,
+        num_blocks: int,
+        block_bytes: int,
+        device_index: int = 0,
+    ) -> None:
+        self.config = config
+        self.cache: VirtualKVCache | None = None
+        self.mapper: LocalPageMapper | None = None
+        self.pages: PageAllocator | None = None
+        self.ledger: BlockLedger
+        self._closed = False
+        self.backend = open_backend(config.backend, device_index, **dict(config.backend_options))
+        try:
+            gran = self.backend.granularity()
+            self.geometry = KVGeometry(
+                num_layers=1,  # block-outermost: one row holds the block of every layer
+                kv_buffers=1,
+                block_bytes=block_bytes,
+                num_blocks=num_blocks,
+                page_bytes=config.page_bytes or math.lcm(block_bytes, gran),
+                granularity=gran,
+                layout="compound",
+            )
+            self.cache = VirtualKVCache(self.backend, self.geometry, sanity=config.sanity)
+            self.mapper = LocalPageMapper(self.cache)
+            self.gate = self._gate(config, num_blocks * block_bytes)
+            pages = self.geometry.num_pages
+            self.pages = PageAllocator(
+                self.mapper,
+                self.gate,
+                reserve_min=min(config.reserve_min, pages),
+                reserve_max=min(config.reserve_max, pages),
+            )
+            self.ledger = BlockLedger(self.geometry, self.pages, reserved_blocks=(0,))
+        except BaseException:
+            self._teardown()
+            raise
+        log.info(
+            "kvcore: elastic KV cache of %d blocks (%d bytes each) on %d pages of %d bytes "
+            "(%s backend, limit %s)",
+            num_blocks,
+            block_bytes,
+            self.geometry.num_pages,
+            self.geometry.page_device_bytes,
+            self.backend.name,
+            config.limit_bytes,
+        )
+
+    def _gate(self, config: ElasticConfig, capacity: int) -> MemoryGate:
+        if config.gpu_ledger:
+            import vllm
+
+            from kvcore.gpu_ledger import LedgerGate
+
+            return LedgerGate.from_backend(
+                self.backend,
+                name=f"vllm-{os.getpid()}-{capacity}",
+                engine="vllm",
+                engine_version=str(vllm.__version__),
+                limit=config.limit_bytes or 0,
+                directory=Path(config.ledger_dir) if config.ledger_dir else None,
+            )
+        limit = config.limit_bytes
+        return BudgetGate(limit) if limit is not None else UnlimitedGate()
+
+    def buffer(self) -> torch.Tensor:
+        """The flat ``int8`` tensor of ``num_blocks * block_bytes`` bytes at a stable address
+        (unbacked blocks read as zeros)."""
+        assert self.cache is not None
+        g = self.geometry
+        view = self.cache.view(0, 0, torch.int8, block_shape=(g.block_bytes,))
+        return view.reshape(-1)[: g.num_blocks * g.block_bytes]
+
+    def stats(self) -> PageStats:
+        """The page allocator's snapshot (pages mapped, in use, reserved, misses, ...)."""
+        assert self.pages is not None
+        return self.pages.stats()
+
+    def close(self) -> None:
+        """Unmap every page and free the range. Idempotent; buffers must not be used after."""
+        if self._closed:
+            return
+        self._closed = True
+        self._teardown()
+
+    def _teardown(self) -> None:
+        for obj in (self.pages, self.mapper, self.cache, getattr(self, "gate", None)):
+            if obj is None:
+                continue
+            try:
+                obj.close()
+            except Exception:  # keep tearing down the rest
+                log.exception("kvcore: closing %s failed", type(obj).__name__)
+        try:
+            self.backend.close()
+        except Exception:
+            log.exception("kvcore: closing the %s backend failed", self.backend.name)

@@ -1,0 +1,249 @@
+"""vLLM's ``BlockPool`` with its free block ids kept in a kvcore ``BlockLedger``.
+
+``ElasticBlockPool`` subclasses vLLM's own ``vllm.v1.core.block_pool.BlockPool`` and keeps
+everything vLLM builds on: the ``KVCacheBlock`` objects (one per block id, ``pool=self``),
+the null block (id 0, reserved in the ledger so its page stays backed), the free queue, the
+prefix-cache hash maps, the metrics collector hooks and the KV-cache events (``BlockStored``
+/ ``BlockRemoved`` / ``AllBlocksCleared``). What changes is *where a free block lives*:
+
+* a block vLLM may still read (ref count > 0, or ref count 0 but prefix-cached, or unpinned
+  with a reuse watcher) is allocated in the ledger, so its page stays mapped (invariant 1);
+  the ref-count-0 ones sit in vLLM's free queue in vLLM's LRU order, exactly as upstream;
+* a block whose contents nobody can use any more (freed without a hash, evicted, reset) is
+  freed to the ledger, which unmaps its page once every block on it is free.
+
+Upstream pops its free queue front first, which holds uncached free blocks ahead of the
+cached LRU tail. ``get_new_blocks`` keeps that policy: uncached capacity (the ledger, which
+places blocks page-aware) first, then the cached blocks in LRU order, evicting their hashes
+as upstream does. ``get_num_free_blocks`` is the ledger's ``available()`` (which includes the
+physical headroom the memory gate admits) plus the queue: a physical shortage therefore shows
+up where vLLM already looks, and ``KVCacheManager.allocate_slots`` returns ``None`` (the
+request waits, or a running one is preempted) instead of failing (invariant 2).
+
+``max_cached_blocks`` bounds the ref-count-0 cached blocks; past it, blocks are evicted in
+``BlockLedger.eviction_order`` (whole pages first, otherwise LRU) and freed to the ledger.
+``trim(n)`` evicts up to ``n`` cached blocks the same way (memory pressure from outside).
+
+Known gap: ``get_num_free_blocks`` and the following ``get_new_blocks`` are two calls; when
+another process takes the shared physical budget between them and no cached block is left to
+reuse, ``get_new_blocks`` raises ``ElasticMiss`` (a ``ValueError``, as upstream raises
+for an over-ask) after giving back what it took.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+from kvcore.blocks import BlockLedger
+from kvcore.errors import KvcoreError
+
+__all__ = ["ElasticBlockPool", "ElasticMiss"]
+
+log = logging.getLogger(__name__)
+
+
+class ElasticMiss(KvcoreError, ValueError):
+    """``get_new_blocks`` could not back blocks ``get_num_free_blocks`` had counted (another
+    process took the shared budget in between)."""
+
+
+class ElasticBlockPool(BlockPool):  # type: ignore[misc]
+    """vLLM's ``BlockPool`` over a kvcore ``BlockLedger`` (module docstring).
+
+    ``ledger`` must cover exactly ``num_gpu_blocks`` block ids with block 0 reserved (vLLM's
+    null block). ``max_cached_blocks`` bounds the evictable prefix cache (``None``: only
+    the capacity bounds it, as upstream). Other arguments are ``BlockPool``'s.
+    """
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        *args: Any,
+        ledger: BlockLedger,
+        max_cached_blocks: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(num_gpu_blocks, enable_caching, hash_block_size, *args, **kwargs)
+        if ledger.geometry.num_blocks != num_gpu_blocks or not ledger.is_allocated(0):
+            raise KvcoreError(
+                f"elastic block pool: the ledger covers {ledger.geometry.num_blocks} blocks "
+                f"(block 0 reserved: {ledger.is_allocated(0)}), vLLM plans {num_gpu_blocks}",
+                hint="build the ledger from the KVCacheConfig with reserved_blocks=(0,)",
+            )
+        self.ledger = ledger
+        self.max_cached_blocks = max_cached_blocks
+        self._logical_count = False  # get_num_free_blocks ignores the physical budget
+        # Every non-null block starts free in the ledger, none in the queue: rebuild the
+        # queue empty (the blocks' links are the queue's, so clear them first).
+        for block in self.blocks:
+            block.prev_free_block = block.next_free_block = None
+        self.free_block_queue = FreeKVCacheBlockQueue([])
+
+    # ---------------------------------------------------------------- allocation
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """``num_blocks`` blocks with ref count 1: ledger blocks first (page-aware), then
+        cached blocks from the queue front (LRU) with their hashes evicted. Raises
+        ``ValueError`` when fewer are free (as upstream), ``ElasticMiss`` when the ledger
+        could not back what it had counted and no cached block is left to reuse."""
+        queued = self.free_block_queue.num_free_blocks
+        if num_blocks > self.ledger.available() + queued:
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        ids = self._take_from_ledger(num_blocks)
+        rest = num_blocks - len(ids)
+        if rest > queued:
+            if ids:
+                self.ledger.free(ids)
+            raise ElasticMiss(
+                f"elastic block pool: {num_blocks} blocks were counted free but only "
+                f"{len(ids) + queued} could be backed now",
+                hint="another instance took the shared budget; raise this instance's limit",
+            )
+        blocks = self.blocks
+        ret = [blocks[i] for i in reversed(ids)]  # ascending within a page, like upstream
+        if rest:
+            reused = self.free_block_queue.popleft_n(rest)
+            if self._reuse_watchers:
+                self._notify_reuse(reused)
+            if self.enable_caching:
+                for block in reused:
+                    self._maybe_evict_cached_block(block)
+            ret += reused
+        collector = self.metrics_collector
+        for block in ret:
+            assert block.ref_cnt == 0
+            block.ref_cnt = 1
+            if collector:
+                collector.on_block_allocated(block)
+        return ret
+
+    def _take_from_ledger(self, num_blocks: int) -> list[int]:
+        """As many of ``num_blocks`` as the ledger can back now (all-or-nothing calls,
+        halving on a miss)."""
+        want = min(num_blocks, self.ledger.available())
+        while want > 0:
+            ids = self.ledger.alloc(want)
+            if ids is not None:
+                return ids
+            want //= 2
+        return []
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference per block. At ref count 0 a block with a hash (or a reuse
+        watcher) joins the queue's LRU tail, as upstream; any other block goes back to the
+        ledger at once. Then the cache bound is enforced."""
+        cached: list[KVCacheBlock] = []
+        dead: list[int] = []
+        other_pools: dict[BlockPool, list[KVCacheBlock]] = {}
+        caching = self.enable_caching
+        watchers = self._reuse_watchers
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            if block.pool is not None and block.pool is not self:
+                other_pools.setdefault(block.pool, []).append(block)
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if (caching and block.block_hash is not None) or block.block_id in watchers:
+                    cached.append(block)
+                else:
+                    dead.append(block.block_id)
+        if dead:
+            # reversed: the ledger pops what it got last first, so the block vLLM
+            # ranked first for reuse (the request's tail) is reused first, like upstream
+            dead.reverse()
+            self.ledger.free(dead)
+        if cached:
+            self.free_block_queue.append_n(cached)
+        for pool, blocks in other_pools.items():
+            pool.free_blocks(blocks)
+        if self.max_cached_blocks is not None:
+            excess = self.free_block_queue.num_free_blocks - self.max_cached_blocks
+            if excess > 0:
+                self.trim(excess)
+
+    # ---------------------------------------------------------------- eviction
+
+    def trim(self, num_blocks: int) -> int:
+        """Evict up to ``num_blocks`` ref-count-0 cached blocks, those emptying whole pages
+        first (then LRU), and free them to the ledger. Returns how many were evicted."""
+        if num_blocks <= 0:
+            return 0
+        queue = self.free_block_queue
+        candidates: list[int] = []
+        node = queue.fake_free_list_head.next_free_block
+        tail = queue.fake_free_list_tail
+        while node is not None and node is not tail:
+            candidates.append(node.block_id)
+            node = node.next_free_block
+        victims = [self.blocks[i] for i in self.ledger.eviction_order(candidates)[:num_blocks]]
+        for block in victims:
+            queue.remove(block)
+        self._release(victims)
+        return len(victims)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Upstream's hash eviction; a ref-count-0 block it uncaches leaves the queue for the
+        ledger (nothing can read it any more)."""
+        super().evict_blocks(block_ids)
+        gone = [
+            self.blocks[i]
+            for i in sorted(block_ids)
+            if (b := self.blocks[i]).ref_cnt == 0
+            and not b.is_null
+            and b.block_hash is None
+            and b.block_id not in self._reuse_watchers
+            and b.prev_free_block is not None
+        ]
+        for block in gone:
+            self.free_block_queue.remove(block)
+        if gone:
+            self.ledger.free([b.block_id for b in gone])
+
+    def reset_prefix_cache(self) -> bool:
+        """Upstream's reset (its "every block is free" check counts blocks logically, not
+        what the physical budget admits); then every queued block goes to the ledger."""
+        self._logical_count = True
+        try:
+            if not super().reset_prefix_cache():
+                return False
+        finally:
+            self._logical_count = False
+        queued = self.free_block_queue.get_all_free_blocks()
+        self.free_block_queue = FreeKVCacheBlockQueue([])
+        for block in queued:
+            block.prev_free_block = block.next_free_block = None
+        if queued:
+            self.ledger.free([b.block_id for b in queued])
+        return True
+
+    def _release(self, blocks: list[KVCacheBlock]) -> None:
+        """Evict the hashes of blocks already out of the queue and free them to the ledger."""
+        if not blocks:
+            return
+        if self._reuse_watchers:
+            self._notify_reuse(blocks)
+        for block in blocks:
+            self._maybe_evict_cached_block(block)
+        self.ledger.free([b.block_id for b in blocks])
+
+    # ---------------------------------------------------------------- accounting
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks vLLM may allocate now: the ledger's (logical and physical headroom) plus
+        the ref-count-0 cached blocks it would evict."""
+        if self._logical_count:
+            return int(self.num_gpu_blocks) - self.ledger.used() + self.num_cached_free_blocks()
+        return self.ledger.available() + self.num_cached_free_blocks()
+
+    def num_cached_free_blocks(self) -> int:
+        """Ref-count-0 blocks held for the prefix cache (evictable, still backed)."""
+        return int(self.free_block_queue.num_free_blocks)

@@ -1,0 +1,156 @@
+"""What the patched vLLM calls: settings check, KV buffer, block pool.
+
+The patch series adds one carrier and three call sites (``patches/vllm/<version>/``):
+
+* ``CacheConfig.kvcore_elastic`` / ``kvcore_config`` (``--kvcore-elastic``,
+  ``--kvcore-config '{...}'``) and ``KVCacheConfig.kvcore``: the resolved settings, set by
+  the engine core from ``elastic_settings(vllm_config, kv_cache_config)`` (validation at
+  start-up) and read by both sides below; ``None`` means upstream behaviour, and nothing of
+  kvcore is imported.
+* ``allocate_kv_cache`` (``v1/worker/utils.py``) takes its one backing buffer from
+  ``elastic_kv_buffer(kv_cache_config, device, nbytes)``: a flat ``int8`` view of a kvcore
+  virtual tensor (stable address; unbacked blocks read as zeros).
+* ``KVCacheCoordinator`` (``v1/core/kv_cache_coordinator.py``) builds its block pool with
+  ``elastic_block_pool_class(kv_cache_config)``: an ``ElasticBlockPool`` over the ledger of the
+  same process's buffer, or (a scheduler without a worker in its process, e.g. the engine's
+  own scheduler tests) over a buffer it makes itself.
+
+One ``ElasticKVManager`` per KV cache per process holds the whole object chain (backend,
+virtual tensor, mapper, page allocator, ledger), found again by the KV cache's
+``(num_blocks, bytes per block)``; it is closed at interpreter exit or when the pool that
+made it is collected.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from kvcore.adapters.config import ElasticConfig
+from kvcore.adapters.vllm.checks import check_vllm_config
+from kvcore.adapters.vllm.memory import ElasticKVMemory, settings_dict
+from kvcore.errors import UnsupportedConfiguration
+
+__all__ = [
+    "elastic_block_pool_class",
+    "elastic_kv_buffer",
+    "elastic_settings",
+    "manager_for",
+]
+
+log = logging.getLogger(__name__)
+
+_lock = threading.RLock()  # a pool collected while a manager is made closes its own
+_managers: dict[tuple[int, int], ElasticKVMemory] = {}
+
+
+def elastic_settings(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
+    """The ``KVCacheConfig.kvcore`` value for an engine started with ``--kvcore-elastic``.
+
+    Called by the engine core once the KV cache configuration is known, before any worker
+    allocates. Raises ``UnsupportedConfiguration`` naming the first setting elastic mode does
+    not support (``checks.check_vllm_config``) or a malformed ``--kvcore-config``."""
+    raw = getattr(vllm_config.cache_config, "kvcore_config", None)
+    config = ElasticConfig.parse(raw)
+    check_vllm_config(vllm_config, kv_cache_config)
+    return settings_dict(config)
+
+
+def elastic_kv_buffer(kv_cache_config: Any, device: torch.device, nbytes: int) -> torch.Tensor:
+    """The flat ``int8`` backing buffer of ``nbytes`` for ``allocate_kv_cache``.
+
+    Its address never changes while the engine lives (invariant 4). Raises
+    ``UnsupportedConfiguration`` when ``nbytes`` is not ``num_blocks`` whole blocks of the
+    block-outermost layout, ``GeometryError`` when a physical page cannot hold whole blocks
+    (its hint names page sizes that work)."""
+    num_blocks = int(kv_cache_config.num_blocks)
+    block_bytes = _block_bytes(kv_cache_config)
+    if nbytes != num_blocks * block_bytes:
+        raise UnsupportedConfiguration(
+            f"elastic KV: the KV cache buffer is {nbytes} bytes, not {num_blocks} blocks of "
+            f"{block_bytes} bytes",
+            hint="elastic KV needs one block-outermost KV cache tensor (VLLM_KV_CACHE_LAYOUT)",
+        )
+    return manager_for(kv_cache_config, device_index=_device_index(device)).buffer()
+
+
+def elastic_block_pool_class(kv_cache_config: Any) -> Any:
+    """The block pool constructor for ``KVCacheCoordinator``: ``ElasticBlockPool`` bound to
+    this KV cache's ledger and cache bound (same arguments as vLLM's ``BlockPool``)."""
+    from kvcore.adapters.vllm.pool import ElasticBlockPool
+
+    created = _key(kv_cache_config) not in _managers
+    manager = manager_for(kv_cache_config)
+    bound = manager.config.max_cached_tokens
+    block_size = _block_size(kv_cache_config)
+    max_cached = None if bound is None else max(bound // block_size, 0)
+
+    def build(*args: Any, **kwargs: Any) -> ElasticBlockPool:
+        pool = ElasticBlockPool(
+            *args, ledger=manager.ledger, max_cached_blocks=max_cached, **kwargs
+        )
+        if created:  # a scheduler-only process: the pool's lifetime is the cache's
+            weakref.finalize(pool, _close, _key(kv_cache_config))
+        return pool
+
+    return functools.wraps(ElasticBlockPool)(build)
+
+
+def manager_for(kv_cache_config: Any, *, device_index: int = 0) -> ElasticKVMemory:
+    """This process's manager for the KV cache ``kv_cache_config`` describes (made on first
+    use from ``kv_cache_config.kvcore``)."""
+    key = _key(kv_cache_config)
+    with _lock:
+        manager = _managers.get(key)
+        if manager is None:
+            config = ElasticConfig.parse(dict(kv_cache_config.kvcore or {}))
+            manager = ElasticKVMemory(
+                config, num_blocks=key[0], block_bytes=key[1], device_index=device_index
+            )
+            _managers[key] = manager
+    return manager
+
+
+def _close(key: tuple[int, int]) -> None:
+    with _lock:
+        manager = _managers.pop(key, None)
+    if manager is not None:
+        manager.close()
+
+
+@atexit.register
+def _close_all() -> None:
+    for key in list(_managers):
+        _close(key)
+
+
+def _key(kv_cache_config: Any) -> tuple[int, int]:
+    return int(kv_cache_config.num_blocks), _block_bytes(kv_cache_config)
+
+
+def _block_bytes(kv_cache_config: Any) -> int:
+    """Bytes of one block across every layer: the block stride of the block-outermost
+    tensor, else (a config without tensors, as the scheduler tests build) the groups'
+    per-layer page sizes summed."""
+    tensors = kv_cache_config.kv_cache_tensors
+    if tensors:
+        return max(int(t.block_stride) for t in tensors)
+    total = 0
+    for group in kv_cache_config.kv_cache_groups:
+        total += int(group.kv_cache_spec.page_size_bytes) * max(len(group.layer_names), 1)
+    return max(total, 1)
+
+
+def _block_size(kv_cache_config: Any) -> int:
+    sizes = {int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups}
+    return min(sizes) if sizes else 1
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index or 0 if device.type != "cpu" else 0

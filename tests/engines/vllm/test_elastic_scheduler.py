@@ -1,0 +1,281 @@
+"""Elastic KV under the real vLLM scheduler and KV-cache manager (forked wheel, host backend).
+
+Everything vLLM-side is the release's own code: ``Scheduler``, ``KVCacheManager``, the
+coordinator that builds the pool through the patch seam, ``Request`` and the block hasher.
+Only the model runner is absent: each step's ``ModelRunnerOutput`` is built here (one sampled
+token per scheduled request), which is what vLLM's own scheduler tests do.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvcore.adapters.vllm import elastic_kv_buffer, elastic_settings, manager_for
+from kvcore.adapters.vllm.pool import ElasticBlockPool
+from kvcore.errors import UnsupportedConfiguration
+
+BLOCK = 16  # tokens per block
+GRAN = 4096  # host backend granularity: one page
+# FullAttentionSpec(16 tokens, 1 head, head size 4, float32): 2*16*4*4 = 512 B per block
+SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=4, dtype=torch.float32)
+BLOCK_BYTES = 512
+BPP = GRAN // BLOCK_BYTES  # 8 blocks per page
+
+init_none_hash(sha256)
+_HASHER = get_request_block_hasher(BLOCK, sha256)
+
+
+def _settings(**options: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"backend": "host", "backend_options": {"granularity": GRAN}}
+    base.update(options)
+    return base
+
+
+def make_scheduler(
+    num_blocks: int,
+    *,
+    caching: bool = False,
+    max_num_seqs: int = 16,
+    max_batched: int = 2048,
+    kvcore: dict[str, Any] | None = None,
+    elastic: bool = True,
+) -> Scheduler:
+    model = ModelConfig(model="facebook/opt-125m", dtype="float16", seed=42, max_model_len=2048)
+    sched = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_batched,
+        max_model_len=2048,
+        enable_chunked_prefill=True,
+        async_scheduling=False,
+        is_encoder_decoder=False,
+        watermark=0.0,
+    )
+    cache = CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=caching)
+    vllm_config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache)
+    kv = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], SPEC)],
+    )
+    if elastic:
+        kv.kvcore = kvcore if kvcore is not None else _settings()
+    cache.num_gpu_blocks = num_blocks
+    register_all_kvcache_specs(vllm_config)
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv,
+        block_size=BLOCK,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+    )
+
+
+def make_request(rid: str, tokens: list[int], max_tokens: int = 1) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        sampling_params=params,
+        pooling_params=None,
+        block_hasher=_HASHER,
+    )
+
+
+def step(scheduler: Scheduler) -> Any:
+    """One scheduler step with a fake model output: one token per scheduled request."""
+    out = scheduler.schedule()
+    ids = list(out.num_scheduled_tokens)
+    runner = ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[7] for _ in ids],
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
+    scheduler.update_from_output(out, runner)
+    return out
+
+
+def pool_of(scheduler: Scheduler) -> ElasticBlockPool:
+    pool = scheduler.kv_cache_manager.block_pool
+    assert isinstance(pool, ElasticBlockPool)
+    return pool
+
+
+def mapped_pages(pool: ElasticBlockPool) -> int:
+    return pool.ledger.pages.stats().in_use
+
+
+@pytest.fixture(autouse=True)
+def _collect() -> Iterator[None]:
+    yield
+    gc.collect()  # pools close their kvcore memory when collected
+
+
+def test_elastic_off_builds_upstream_block_pool() -> None:
+    scheduler = make_scheduler(64, elastic=False)
+    assert type(scheduler.kv_cache_manager.block_pool) is BlockPool
+
+
+def test_pages_map_as_blocks_fill_and_unmap_when_they_empty() -> None:
+    scheduler = make_scheduler(8 * BPP)
+    pool = pool_of(scheduler)
+    assert mapped_pages(pool) == 1  # the null block's page, for good
+    # 3 requests of 40 tokens: 3 blocks each (+1 for the sampled token's slot at most)
+    for i in range(3):
+        scheduler.add_request(make_request(f"r{i}", [i + 1] * 40, max_tokens=3))
+    step(scheduler)
+    used = pool.ledger.used()
+    assert used >= 1 + 3 * 3
+    assert mapped_pages(pool) == -(-used // BPP)  # dense: partly used pages filled first
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+    assert pool.ledger.used() == 1
+    assert mapped_pages(pool) == 1  # every page that emptied was given back
+
+
+def test_prefix_cached_blocks_stay_mapped_until_evicted() -> None:
+    scheduler = make_scheduler(8 * BPP, caching=True)
+    pool = pool_of(scheduler)
+    prompt = list(range(1, 4 * BLOCK + 1))  # 4 full blocks
+    scheduler.add_request(make_request("a", prompt))
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+    cached = pool.num_cached_free_blocks()
+    assert cached == 4
+    assert pool.ledger.used() == 1 + cached  # invariant 1: cached blocks stay allocated
+    assert mapped_pages(pool) >= 1
+    scheduler.add_request(make_request("b", [*prompt, 99]))
+    out = step(scheduler)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 4 * BLOCK  # a prefix-cache hit
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+    assert pool.trim(10**6) == 4
+    assert pool.num_cached_free_blocks() == 0
+    assert pool.ledger.used() == 1
+    assert mapped_pages(pool) == 1
+
+
+def test_eviction_prefers_blocks_that_empty_a_whole_page() -> None:
+    scheduler = make_scheduler(8 * BPP, caching=True)
+    pool = pool_of(scheduler)
+    manager = scheduler.kv_cache_manager
+    # a: 7 blocks, fills page 0 next to the null block; b: 8 blocks, page 1.
+    a = make_request("a", list(range(1000, 1000 + (BPP - 1) * BLOCK)))
+    b = make_request("b", list(range(2000, 2000 + BPP * BLOCK)))
+    for req in (a, b):
+        assert manager.allocate_slots(req, req.num_tokens) is not None
+    pages = {
+        r.request_id: {pool.ledger.page_of(x) for x in manager.get_block_ids(r.request_id)[0]}
+        for r in (a, b)
+    }
+    assert pages == {"a": {0}, "b": {1}}
+    manager.free(a)
+    manager.free(b)  # LRU: a's blocks are the oldest
+    assert pool.num_cached_free_blocks() == 2 * BPP - 1
+    assert mapped_pages(pool) == 2
+    # LRU would evict a's 7 blocks first: page 0 keeps the null block, no memory comes back.
+    assert pool.trim(BPP) == BPP
+    assert mapped_pages(pool) == 1  # page 1 went back whole
+    assert all(pool.blocks[i].block_hash is not None for i in range(1, BPP))  # a's kept
+    assert all(pool.blocks[i].block_hash is None for i in range(BPP, 2 * BPP))
+
+
+def test_tight_physical_budget_requests_wait_or_preempt_and_all_finish() -> None:
+    limit_pages = 4  # 32 blocks, the null block's page included
+    scheduler = make_scheduler(
+        16 * BPP, max_num_seqs=8, kvcore=_settings(limit_bytes=limit_pages * GRAN)
+    )
+    pool = pool_of(scheduler)
+    reqs = [make_request(f"r{i}", [i + 1] * 5 * BLOCK, max_tokens=40) for i in range(8)]
+    for r in reqs:
+        scheduler.add_request(r)
+    peak_running = 0
+    waited = False
+    steps = 0
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+        steps += 1
+        assert steps < 2000
+        peak_running = max(peak_running, len(scheduler.running))
+        waited |= len(scheduler.waiting) > 0
+        assert mapped_pages(pool) <= limit_pages  # the budget held
+    assert waited  # capacity was short: requests waited (or were preempted back to waiting)
+    assert peak_running < len(reqs)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in reqs)
+    assert all(len(r.output_token_ids) == 40 for r in reqs)
+    assert pool.ledger.used() == 1
+
+
+def test_kv_buffer_has_a_stable_address_and_backs_allocated_blocks() -> None:
+    kv = KVCacheConfig(
+        num_blocks=4 * BPP, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], SPEC)]
+    )
+    kv.kvcore = _settings()
+    buf = elastic_kv_buffer(kv, torch.device("cpu"), 4 * BPP * BLOCK_BYTES)
+    ptr = buf.data_ptr()
+    assert buf.numel() == 4 * BPP * BLOCK_BYTES
+    assert int(buf[-BLOCK_BYTES:].abs().sum()) == 0  # unbacked: the zero page
+    ledger = manager_for(kv).ledger
+    ids = ledger.alloc(2 * BPP)
+    assert ids is not None
+    for b in ids:
+        buf[b * BLOCK_BYTES : (b + 1) * BLOCK_BYTES] = 3
+    assert buf.data_ptr() == ptr
+    assert int(buf[ids[0] * BLOCK_BYTES]) == 3
+    ledger.free(ids)
+    manager_for(kv).close()
+
+
+class _Parallel:
+    tensor_parallel_size = 2
+    pipeline_parallel_size = 1
+    data_parallel_size = 1
+
+
+def test_unsupported_configuration_is_named_at_start_up() -> None:
+    scheduler = make_scheduler(64, elastic=False)
+    config = scheduler.vllm_config
+    kv = KVCacheConfig(
+        num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], SPEC)]
+    )
+    assert elastic_settings(config, kv)["backend"] == "cuda"
+    config.cache_config.kvcore_config = {"limit_gb": 3}
+    with pytest.raises(UnsupportedConfiguration, match="limit_gb"):
+        elastic_settings(config, kv)
+    config.cache_config.kvcore_config = None
+    config.scheduler_config.async_scheduling = True
+    with pytest.raises(UnsupportedConfiguration, match="async scheduling"):
+        elastic_settings(config, kv)
+    config.scheduler_config.async_scheduling = False
+    two = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["l"], SPEC), KVCacheGroupSpec(["m"], SPEC)],
+    )
+    with pytest.raises(UnsupportedConfiguration, match="2 KV cache groups"):
+        elastic_settings(config, two)
+    parallel = config.parallel_config
+    object.__setattr__(config, "parallel_config", _Parallel())
+    try:
+        with pytest.raises(UnsupportedConfiguration, match="tensor_parallel_size=2"):
+            elastic_settings(config, kv)
+    finally:
+        object.__setattr__(config, "parallel_config", parallel)

@@ -1,0 +1,279 @@
+"""Run a pinned vLLM release's own ``tests/v1/core`` on CPU, and compare runs.
+
+The tests come from the release's sdist at run time (fetched and sha256-checked by
+``python -m patchq fetch``; never committed). The harness extracts ``tests/`` and the
+sdist's ``pyproject.toml`` (pytest markers) into a work directory and adds what a CPU
+machine without network needs:
+
+* ``tests/v1/core/conftest.py`` overriding ``should_do_global_cleanup_after_test`` (the root
+  conftest's autouse cleanup touches an accelerator);
+* a local Hugging Face hub cache with small ``config.json`` files for the models the tests
+  name (``HF_HUB_OFFLINE=1``: nothing is downloaded), written from ``hf_configs.py``;
+* ``VLLM_TARGET_DEVICE=cpu``.
+
+Modes (``--mode``): ``upstream`` and ``elastic-off`` run the tests as they are (the second
+against the forked wheel: it must behave as upstream); ``elastic-on`` adds an autouse
+fixture that sets ``KVCacheConfig.kvcore`` on every ``KVCacheConfig`` a test builds, which
+is the one switch the patched engine reads: every coordinator-built block pool becomes
+kvcore's ``ElasticBlockPool`` on the ``host`` backend. Tests that build vLLM's
+``BlockPool`` directly test upstream's class in every mode.
+
+``run`` writes ``<out>`` (JSON: nodeid -> passed/failed/skipped/error); ``compare`` prints
+the table of modes and exits 1 when a patched mode fails a test that upstream passed,
+unless that test is listed in ``ELASTIC_EXPECTED`` with the reason.
+
+Usage (the ``test-vllm-<short>`` nox session runs these)::
+
+    python tests/engines/vllm/upstream_suite.py run --version 0.33.0 --mode upstream \
+        --out .results/upstream.json
+    python tests/engines/vllm/upstream_suite.py compare .results/*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import textwrap
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+sys.path.insert(0, str(HERE))
+
+from hf_configs import write_hub_cache  # noqa: E402
+
+MODES = ("upstream", "elastic-off", "elastic-on")
+
+_CLEANUP_OVERRIDE = """
+# Written by kvcore's upstream_suite.py: CPU runs skip the accelerator cleanup.
+import pytest
+
+
+@pytest.fixture()
+def should_do_global_cleanup_after_test() -> bool:
+    return False
+"""
+
+_ELASTIC_ON = """
+# Written by kvcore's upstream_suite.py (--mode elastic-on): every KVCacheConfig a test
+# builds carries kvcore settings, so the patched coordinator builds kvcore's elastic pool.
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _kvcore_elastic_on(monkeypatch):
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    original = KVCacheConfig.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if self.kvcore is None:
+            # 4 KiB pages: the tests' tiny blocks then span many pages
+            self.kvcore = {"backend": "host", "backend_options": {"granularity": 4096}}
+
+    monkeypatch.setattr(KVCacheConfig, "__init__", init)
+    yield
+"""
+
+
+def _fetch_sdist(version: str) -> Path:
+    out = subprocess.run(
+        [sys.executable, "-m", "patchq", "fetch", "vllm", version, "sdist"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def prepare(version: str, work: Path, mode: str) -> Path:
+    """Extract the release's tests into ``work/<mode>`` and write the harness files."""
+    tree = work / mode
+    if not (tree / "tests").is_dir():
+        sdist = _fetch_sdist(version)
+        prefix = f"vllm-{version}/"
+        tree.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(sdist) as tar:
+            members = [
+                m
+                for m in tar.getmembers()
+                if m.name.startswith(prefix + "tests/") or m.name == prefix + "pyproject.toml"
+            ]
+            for m in members:
+                m.name = m.name[len(prefix) :]
+            tar.extractall(tree, members=members, filter="data")
+    conftest = tree / "tests" / "v1" / "core" / "conftest.py"
+    text = _CLEANUP_OVERRIDE + (_ELASTIC_ON if mode == "elastic-on" else "")
+    conftest.write_text(text)
+    write_hub_cache(work / "hf-hub")
+    return tree
+
+
+def run(version: str, mode: str, work: Path, out: Path, pytest_args: list[str]) -> int:
+    tree = prepare(version, work, mode)
+    junit = out.with_suffix(".xml")
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_HUB_CACHE=str(work / "hf-hub"),
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_TARGET_DEVICE="cpu",
+        PYTHONHASHSEED="0",
+        KVCORE_HOST_DEVICE_BYTES=str(4 << 30),
+    )
+    env.pop("PYTHONPATH", None)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "--timeout=300",
+        f"--junitxml={junit}",
+        *pytest_args,
+    ]
+    if not any(not a.startswith("-") for a in pytest_args):
+        cmd.append("tests/v1/core")
+    started = time.monotonic()
+    rc = subprocess.run(cmd, cwd=tree, env=env, check=False).returncode
+    results = _parse_junit(junit)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "version": version,
+                "mode": mode,
+                "wall_s": round(time.monotonic() - started, 1),
+                "results": results,
+            },
+            indent=1,
+            sort_keys=True,
+        )
+    )
+    counts = _counts(results)
+    print(f"vllm {version} tests/v1/core [{mode}]: {_fmt(counts)} (pytest rc={rc})")
+    return 0 if rc in (0, 1) else rc  # failures are judged by `compare`, not here
+
+
+def _parse_junit(path: Path) -> dict[str, dict[str, str]]:
+    results: dict[str, dict[str, str]] = {}
+    if not path.exists():
+        return results
+    for case in ET.parse(path).getroot().iter("testcase"):
+        cls = case.get("classname", "")
+        name = case.get("name", "")
+        nodeid = cls.replace(".", "/") + ".py::" + name if cls else name
+        outcome, why = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = "failed" if child.tag == "failure" else "error"
+                why = (
+                    (child.get("message") or "").splitlines()[0][:200]
+                    if child.get("message")
+                    else ""
+                )
+                break
+            if child.tag == "skipped":
+                outcome, why = "skipped", (child.get("message") or "")[:200]
+        results[nodeid] = {"outcome": outcome, "why": why}
+    return results
+
+
+def _counts(results: dict[str, dict[str, str]]) -> dict[str, int]:
+    counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+    for r in results.values():
+        counts[r["outcome"]] += 1
+    return counts
+
+
+def _fmt(counts: dict[str, int]) -> str:
+    return ", ".join(f"{v} {k}" for k, v in counts.items())
+
+
+def _file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def compare(paths: list[Path], expected: dict[str, str]) -> int:
+    """Print per-file pass counts of each mode and every regression; 1 on a regression."""
+    runs = {}
+    for p in paths:
+        data = json.loads(p.read_text())
+        runs[data["mode"]] = data
+    if "upstream" not in runs:
+        print("compare: no upstream run given", file=sys.stderr)
+        return 2
+    modes = [m for m in MODES if m in runs]
+    base = runs["upstream"]["results"]
+    files = sorted({_file_of(n) for n in base})
+    header = f"{'file':58} " + " ".join(f"{m:>13}" for m in modes)
+    print(header)
+    for f in files:
+        row = []
+        for m in modes:
+            res = [r for n, r in runs[m]["results"].items() if _file_of(n) == f]
+            ok = sum(r["outcome"] == "passed" for r in res)
+            row.append(f"{ok:>6}/{len(res):<6}")
+        print(f"{f:58} " + " ".join(row))
+    totals = " ".join(
+        f"{m}: {_fmt(_counts(runs[m]['results']))} in {runs[m]['wall_s']} s" for m in modes
+    )
+    print(totals)
+    status = 0
+    for m in modes[1:]:
+        for nodeid, r in sorted(base.items()):
+            if r["outcome"] != "passed":
+                continue
+            got = runs[m]["results"].get(nodeid, {"outcome": "missing", "why": ""})
+            if got["outcome"] == "passed":
+                continue
+            reason = expected.get(nodeid) if m == "elastic-on" else None
+            if reason:
+                print(f"[{m}] expected difference: {nodeid}: {reason}")
+                continue
+            print(f"[{m}] REGRESSION: {nodeid}: {got['outcome']} {got['why']}")
+            status = 1
+    not_passing = {n: r for n, r in base.items() if r["outcome"] in ("failed", "error")}
+    if not_passing:
+        print(f"failing upstream on this CPU machine ({len(not_passing)}):")
+        for nodeid, r in sorted(not_passing.items()):
+            print(f"  {nodeid}: {r['why']}")
+    return status
+
+
+def _expected() -> dict[str, str]:
+    path = HERE / "elastic_expected.json"
+    if not path.exists():
+        return {}
+    data: dict[str, str] = json.loads(path.read_text())
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=textwrap.dedent(__doc__ or "").split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--version", required=True)
+    r.add_argument("--mode", choices=MODES, required=True)
+    r.add_argument("--work", type=Path, default=ROOT / ".nox" / "_vllm-upstream-tests")
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("pytest_args", nargs="*")
+    c = sub.add_parser("compare")
+    c.add_argument("paths", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    if args.cmd == "run":
+        return run(args.version, args.mode, args.work / args.version, args.out, args.pytest_args)
+    return compare(args.paths, _expected())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
