@@ -18,7 +18,7 @@ from sglang.srt.mem_cache import memory_pool
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from kvcore.errors import UnsupportedConfiguration
+from kvcore.errors import KvcoreError, UnsupportedConfiguration
 
 from .harness import HOST as HOST_CONFIG
 from .harness import PATCHED, build, requires_cpu_paged_kernels, requires_fork
@@ -374,3 +374,55 @@ def test_physical_budget_with_tensor_parallel_is_refused(budget: dict[str, Any])
         assert memory_pool.KV_BUFFER_HOOK is None
         e = build("on", size=256, page_size=16)
         e.scope.close()
+
+
+# -- fault injection: every failure path the adapter claims to handle ----------------------
+
+
+@requires_cpu_paged_kernels
+def test_a_failing_index_kernel_gives_the_staged_pages_back(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sglang.srt.mem_cache.allocator import paged
+
+    e = make("on", size=2048, page_size=16)
+    a = e.allocator
+    used = e.manager.ledger.used()
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("injected: index kernel failed")
+
+    monkeypatch.setattr(paged, "alloc_extend_naive", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        extend(a, [0, 0], [300, 200], [-1, -1])
+    assert e.manager.ledger.used() == used  # the ledger got its blocks back
+    assert a.free_pages.numel() == 0
+    monkeypatch.setattr(paged, "alloc_decode_naive", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        seq = torch.tensor([17])
+        a.alloc_decode(seq, seq, torch.tensor([15]))
+    assert e.manager.ledger.used() == used
+
+
+@pytest.mark.parametrize(("kind", "nth"), [("reserve", 2), ("create", 1), ("map", 3)])
+def test_a_failing_driver_call_at_startup_leaves_nothing_behind(kind: str, nth: int) -> None:
+    from kvcore.adapters.config import ElasticConfig
+    from kvcore.adapters.sglang import ElasticKVManager
+    from kvcore.vmm.faults import FaultInjector
+    from kvcore.vmm.host import HostBackend
+
+    backend = FaultInjector(HostBackend(0, device_bytes=1 << 30, granularity=1 << 16))
+    backend.fail(kind, nth=nth)
+    with pytest.raises(KvcoreError):
+        ElasticKVManager(
+            ElasticConfig(backend="host"),
+            num_layers=2,
+            kv_buffers=2,
+            row_bytes=256,
+            page_size=16,
+            num_rows=2048 + 16,
+            backend=backend,
+        )
+    assert not backend.live_handles  # every handle created was released
+    assert backend.mapped_ranges() == []
+    backend.close()
