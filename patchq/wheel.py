@@ -20,7 +20,9 @@ module whose import stops at a missing third-party dependency is reported, not f
 from __future__ import annotations
 
 import base64
+import csv
 import hashlib
+import io
 import json
 import struct
 import subprocess
@@ -174,7 +176,7 @@ def repack(upstream: Path, fork: Path, dist: Path, new_version: str) -> Path:
     out_path = dist / f"{new_prefix}-{tags}.whl"
     dist.mkdir(parents=True, exist_ok=True)
     partial = out_path.with_name(out_path.name + ".part")
-    records: list[str] = []
+    records: list[tuple[str, str, str]] = []
     with (
         zipfile.ZipFile(upstream) as zin,
         open(upstream, "rb") as src,
@@ -204,12 +206,12 @@ def repack(upstream: Path, fork: Path, dist: Path, new_version: str) -> Path:
                     else (fork / member.filename).read_bytes()
                 )
                 out.add(new_name, data, member)
-                records.append(f"{new_name},{_record_hash(data)},{len(data)}")
+                records.append((new_name, _record_hash(data), str(len(data))))
             else:
                 out.copy(src, member, new_name)
                 if not member.is_dir():
                     digest = _hash_member(zin, member)
-                    records.append(f"{new_name},{digest},{member.file_size}")
+                    records.append((new_name, digest, str(member.file_size)))
         present = {m.filename for m in infos}
         fresh = zipfile.ZipInfo("", _ADDED_DATE)
         fresh.external_attr = 0o644 << 16
@@ -218,13 +220,20 @@ def repack(upstream: Path, fork: Path, dist: Path, new_version: str) -> Path:
             if status == "A" and path not in present:
                 data = (fork / path).read_bytes()
                 out.add(path, data, fresh)
-                records.append(f"{path},{_record_hash(data)},{len(data)}")
+                records.append((path, _record_hash(data), str(len(data))))
         new_record = f"{new_prefix}.dist-info/RECORD"
-        records.append(f"{new_record},,")
-        out.add(new_record, ("\n".join(records) + "\n").encode(), fresh)
+        records.append((new_record, "", ""))
+        out.add(new_record, _record_text(records).encode(), fresh)
         out.close()
     partial.replace(out_path)
     return out_path
+
+
+def _record_text(rows: list[tuple[str, str, str]]) -> str:
+    """RECORD as the wheel spec wants it: CSV, so a path holding a comma or quote is quoted."""
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(rows)
+    return buf.getvalue()
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import csv
 import hashlib
+import io
 import venv
 import zipfile
 from pathlib import Path
@@ -13,7 +15,7 @@ import pytest
 from patchq.errors import BuildError
 from patchq.export import export
 from patchq.fork import materialize
-from patchq.wheel import build, verify_install
+from patchq.wheel import _record_text, build, verify_install
 from patchq.workspace import Workspace
 from tests.patchq.conftest import PATCHED_LINE, commit_patch
 
@@ -27,8 +29,8 @@ def _members(wheel: Path) -> dict[str, bytes]:
 
 
 def _assert_record_matches(members: dict[str, bytes], dist_info: str) -> None:
-    lines = members[f"{dist_info}/RECORD"].decode().splitlines()
-    listed = {line.rsplit(",", 2)[0]: line.rsplit(",", 2)[1:] for line in lines}
+    rows = csv.reader(io.StringIO(members[f"{dist_info}/RECORD"].decode()))
+    listed = {name: (digest, size) for name, digest, size in rows}
     assert set(listed) == set(members)
     for name, (digest, size) in listed.items():
         if name.endswith("RECORD"):
@@ -37,6 +39,12 @@ def _assert_record_matches(members: dict[str, bytes], dist_info: str) -> None:
         raw = hashlib.sha256(members[name]).digest()
         assert digest == "sha256=" + base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
         assert int(size) == len(members[name])
+
+
+def test_record_quotes_paths_that_hold_a_comma() -> None:
+    # pip parses RECORD as CSV: an unquoted comma in a file name splits the row.
+    rows = [("pkg/a,b.json", "sha256=x", "3"), ('pkg/q"uote.py', "sha256=y", "4")]
+    assert list(csv.reader(io.StringIO(_record_text(rows)))) == [list(r) for r in rows]
 
 
 def test_empty_series_gives_the_upstream_wheel_with_only_the_version_changed(
