@@ -12,7 +12,7 @@ from typing import Any
 
 from kvcore.errors import UnsupportedConfiguration
 
-__all__ = ["check_vllm_config"]
+__all__ = ["check_kv_cache_config", "check_vllm_config"]
 
 _FULL_ATTENTION = "FullAttentionSpec"
 
@@ -40,6 +40,12 @@ def check_vllm_config(vllm_config: Any, kv_cache_config: Any) -> None:
             "supported: connectors move blocks behind the block pool's back",
             hint="drop --kv-transfer-config / --kv-offloading-size, or --kvcore-elastic",
         )
+    check_kv_cache_config(kv_cache_config)
+
+
+def check_kv_cache_config(kv_cache_config: Any) -> None:
+    """The part of ``check_vllm_config`` that reads only the ``KVCacheConfig``: one
+    full-attention group in one block-outermost tensor."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise UnsupportedConfiguration(

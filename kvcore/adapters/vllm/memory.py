@@ -141,13 +141,19 @@ class ElasticKVMemory:
         self._teardown()
 
     def _teardown(self) -> None:
-        for obj in (self.pages, self.mapper, self.cache, getattr(self, "gate", None)):
-            if obj is None:
+        gate_close = getattr(getattr(self, "gate", None), "close", None)
+        for close in (
+            getattr(self.pages, "close", None),
+            getattr(self.mapper, "close", None),
+            getattr(self.cache, "close", None),
+            gate_close,
+        ):
+            if close is None:
                 continue
             try:
-                obj.close()
+                close()
             except Exception:  # keep tearing down the rest
-                log.exception("kvcore: closing %s failed", type(obj).__name__)
+                log.exception("kvcore: closing %s failed", close)
         try:
             self.backend.close()
         except Exception:

@@ -13,9 +13,11 @@ machine without network needs:
 
 Modes (``--mode``): ``upstream`` and ``elastic-off`` run the tests as they are (the second
 against the forked wheel: it must behave as upstream); ``elastic-on`` adds an autouse
-fixture that sets ``KVCacheConfig.kvcore`` on every ``KVCacheConfig`` a test builds, which
-is the one switch the patched engine reads: every coordinator-built block pool becomes
-kvcore's ``ElasticBlockPool`` on the ``host`` backend. Tests that build vLLM's
+fixture that sets ``KVCacheConfig.kvcore`` on every ``KVCacheConfig`` a test builds that
+elastic KV supports (one full-attention group; what start-up validation would refuse keeps
+upstream's pool, as a real engine would refuse to start elastic). ``kvcore`` is the one
+switch the patched engine reads: every such coordinator-built block pool becomes kvcore's
+``ElasticBlockPool`` on the ``host`` backend with 4 KiB pages. Tests that build vLLM's
 ``BlockPool`` directly test upstream's class in every mode.
 
 ``run`` writes ``<out>`` (JSON: nodeid -> passed/failed/skipped/error); ``compare`` prints
@@ -70,10 +72,17 @@ import pytest
 def _kvcore_elastic_on(monkeypatch):
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+    from kvcore.adapters.vllm.checks import check_kv_cache_config
+    from kvcore.errors import UnsupportedConfiguration
+
     original = KVCacheConfig.__init__
 
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
+        try:  # what start-up validation would refuse runs upstream's pool, as it would
+            check_kv_cache_config(self)
+        except UnsupportedConfiguration:
+            return
         if self.kvcore is None:
             # 4 KiB pages: the tests' tiny blocks then span many pages
             self.kvcore = {"backend": "host", "backend_options": {"granularity": 4096}}
