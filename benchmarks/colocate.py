@@ -17,7 +17,8 @@ blocks: 2 MiB of KV per block, 128 KiB per token), chunked prefill with an 8192-
   its page allocator is gated by a ``LedgerGate`` registered in one per-GPU ledger (a private
   directory, ``KVCORE_LEDGER_DIR``) whose GPU-wide budget is ``--budget-gib``. A page freed by
   one instance can be mapped by another. Pages freed during a step are reused within it and
-  go back to the ledger at the step's end (``_StepReleaseGate`` says why).
+  go back to the ledger at the step's end (``_StepReleaseGate`` says why; ``--async-release``
+  runs kvcore's defaults through the adapter's own ``gpu_ledger`` option instead).
 * **static** — upstream behaviour (elastic off, vLLM's own ``BlockPool``): each instance gets a
   fixed ``num_gpu_blocks`` of ``budget / instances``, reserved for its whole life, as an even
   ``gpu_memory_utilization`` split does.
@@ -227,6 +228,9 @@ class InstanceSpec:
     ledger_dir: str
     device_uuid: str
     log_path: str
+    step_release: bool = True
+    """Pages freed in a step return to the ledger at its end (``_StepReleaseGate``); else
+    kvcore's default: the background thread unmaps them as soon as they are free."""
 
 
 @dataclass
@@ -315,6 +319,9 @@ class _StepReleaseGate:
     def headroom(self) -> int:
         return int(self._inner.headroom())
 
+    def close(self) -> None:
+        self._inner.close()
+
 
 class _Instance:
     """One engine core: vLLM's real scheduler and KV-cache manager, the stand-in executor,
@@ -364,9 +371,11 @@ class _Instance:
             cache.kvcore_config = {
                 "backend": "host",
                 "backend_options": {"device_bytes": 1 << 40},  # the ledger is the limit
-                # pages freed in a step wait in the reserve; the step's end trims it
-                "reserve_max": spec.num_blocks,
             }
+            if spec.step_release:  # pages freed in a step wait in the reserve until its end
+                cache.kvcore_config["reserve_max"] = spec.num_blocks
+            else:  # the adapter's own ledger gate, kvcore's defaults
+                cache.kvcore_config.update(gpu_ledger=True, ledger_dir=spec.ledger_dir)
         config = VllmConfig(
             scheduler_config=sched,
             model_config=model,
@@ -387,9 +396,8 @@ class _Instance:
         )
         cache.num_gpu_blocks = spec.num_blocks
         register_all_kvcache_specs(config)
-        self.gate: Any = None
-        self.ledger_gate: Any = None
         self.memory: Any = None
+        self._ledger: Any = None
 
         def build() -> Any:
             return Scheduler(
@@ -401,10 +409,14 @@ class _Instance:
             )
 
         if self.elastic:
-            from kvcore.adapters.vllm import elastic_settings
+            from kvcore.adapters.vllm import elastic_settings, manager_for
 
             self.kv_config.kvcore = elastic_settings(config, self.kv_config)
-            self.scheduler = self._build_in_ledger(build)
+            if spec.step_release:
+                self.scheduler = self._build_step_release(build)
+            else:
+                self.scheduler = build()
+            self.memory = manager_for(self.kv_config)
         else:
             self.scheduler = build()
         init_none_hash(sha256)
@@ -413,40 +425,36 @@ class _Instance:
         self.records: dict[str, RequestRecord] = {}
         self._waiting_since: dict[str, int] = {}
 
-    def _build_in_ledger(self, build: Callable[[], Any]) -> Any:
-        """Build the scheduler with its page allocator gated by this instance's record in
-        the shared ledger (through ``_StepReleaseGate``).
+    def _build_step_release(self, build: Callable[[], Any]) -> Any:
+        """Build the scheduler with its page allocator gated by ``_StepReleaseGate`` over
+        this instance's record in the shared ledger.
 
-        vLLM's adapter (``kvcore.adapters.vllm.memory.ElasticKVMemory``) has no per-GPU
-        ledger option yet (SGLang's adapter has ``gpu_ledger``): it gates by ``limit_bytes``
-        or not at all. Until it has one, the gate it would build for "no limit" is replaced
-        by the ledger gate while the scheduler is built, and the ledger is checked to have
-        been charged for the null block's page, so a changed adapter fails loudly here
-        instead of running ungated."""
+        The adapter's ``gpu_ledger`` option registers a plain ``LedgerGate`` (what
+        ``--async-release`` runs); to wrap it, the gate the adapter builds for "no limit, no
+        ledger" is replaced by the wrapped one while the scheduler is built, and the ledger
+        is checked to have been charged for the null block's page, so a changed adapter
+        fails loudly here instead of running ungated."""
         from unittest import mock
 
         import vllm
 
-        from kvcore.adapters.vllm import manager_for, memory
+        from kvcore.adapters.vllm import memory
         from kvcore.gpu_ledger import GpuLedger, LedgerGate
 
-        ledger = GpuLedger.open(self.spec.device_uuid, directory=Path(self.spec.ledger_dir))
-        self.ledger_gate = LedgerGate(
-            ledger,
+        self._ledger = GpuLedger.open(self.spec.device_uuid, directory=Path(self.spec.ledger_dir))
+        gate = LedgerGate(
+            self._ledger,
             name=f"demo-{self.spec.index}",
             engine="vllm",
             engine_version=str(vllm.__version__),
             model="llama-3-8b-shaped",
         )
-        self.gate = _StepReleaseGate(self.ledger_gate)
-        with mock.patch.object(memory, "UnlimitedGate", lambda: self.gate):
+        with mock.patch.object(memory, "UnlimitedGate", lambda: _StepReleaseGate(gate)):
             scheduler = build()
-        self.memory = manager_for(self.kv_config)
-        if self.ledger_gate.record().mapped <= 0:
+        if gate.record().mapped <= 0:
             raise RuntimeError(
                 "colocate demo: the elastic block pool is not charging the shared ledger "
-                "(kvcore.adapters.vllm.memory no longer builds its gate as this demo expects); "
-                "give the demo the adapter's own ledger option"
+                "(kvcore.adapters.vllm.memory no longer builds its gate as this demo expects)"
             )
         return scheduler
 
@@ -491,7 +499,8 @@ class _Instance:
         """(bytes held, bytes of blocks in use)."""
         if self.memory is not None:
             pages = self.memory.pages
-            pages.trim()  # the end of the step: idle pages go back to the ledger ...
+            if self.spec.step_release:
+                pages.trim()  # the end of the step: idle pages go back to the ledger ...
             pages.flush()  # ... before the next instance steps
             used = (self.memory.ledger.used() - 1) * BLOCK_BYTES  # less the null block
             return pages.stats().charged_bytes, used
@@ -501,10 +510,9 @@ class _Instance:
 
     def close(self) -> None:
         if self.memory is not None:
-            self.memory.close()
-        if self.ledger_gate is not None:
-            self.ledger_gate.close()
-            self.ledger_gate.ledger.close()
+            self.memory.close()  # closes its gate too
+        if self._ledger is not None:
+            self._ledger.close()
 
 
 def _instance_main(conn: Connection, spec: InstanceSpec) -> None:
@@ -587,6 +595,7 @@ def run_mode(
     workdir: Path,
     logdir: Path,
     on_step: Callable[[], None] = lambda: None,
+    step_release: bool = True,
 ) -> list[InstanceResult]:
     """Run ``arrivals`` through ``instances`` instance processes in ``mode`` for ``steps``
     lock-step rounds, with a fresh ledger under ``workdir`` (a scratch directory) and the
@@ -623,6 +632,7 @@ def run_mode(
                 ledger_dir=str(ledger_dir),
                 device_uuid=device_uuid,
                 log_path=str(logdir / f"{mode}-{i}.log"),
+                step_release=step_release,
             )
             proc = ctx.Process(target=_instance_main, args=(child, spec), daemon=True)
             proc.start()
@@ -684,6 +694,7 @@ def run_demo(
     budget_bytes: int,
     out: Path,
     on_step: Callable[[], None] = lambda: None,
+    step_release: bool = True,
 ) -> dict[str, list[InstanceResult]]:
     """Both modes on the same arrivals; logs under ``out``. Returns results by mode."""
     out.mkdir(parents=True, exist_ok=True)
@@ -699,6 +710,7 @@ def run_demo(
                 workdir=workdir,
                 logdir=out,
                 on_step=on_step,
+                step_release=step_release,
             )
             for mode in MODES
         }
@@ -802,6 +814,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output-mean", type=float, default=220.0)
     parser.add_argument("--trace", type=Path, help="JSON-lines trace instead of a generated one")
     parser.add_argument("--out", type=Path, default=Path("build/colocate"))
+    parser.add_argument(
+        "--async-release",
+        action="store_true",
+        help="kvcore's default release (background unmap as soon as a page is free) instead "
+        "of the end of each step: timing-dependent, and see _StepReleaseGate",
+    )
     args = parser.parse_args(argv)
 
     from rich.console import Console
@@ -837,14 +855,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         console=console,
     ) as progress:
         task = progress.add_task("elastic + static", total=len(MODES) * args.steps)
-        results = run_demo(
-            arrivals,
-            instances=args.instances,
-            steps=args.steps,
-            budget_bytes=budget,
-            out=args.out,
-            on_step=lambda: progress.advance(task),
-        )
+        try:
+            results = run_demo(
+                arrivals,
+                instances=args.instances,
+                steps=args.steps,
+                budget_bytes=budget,
+                out=args.out,
+                on_step=lambda: progress.advance(task),
+                step_release=not args.async_release,
+            )
+        except DemoError as exc:
+            console.print(f"[red]demo failed[/]: {exc}; instance logs in {args.out.resolve()}")
+            return 1
     rows = summaries(results, args.steps)
     console.print(render_table(rows, f"elastic vs static, {source}, {args.steps} steps"))
     png = args.out / "colocate.png"

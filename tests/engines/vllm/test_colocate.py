@@ -63,7 +63,9 @@ def test_elastic_borrows_the_idle_half_and_never_exceeds_the_budget(
     # samples of one round add up to what the ledger held when the round ended
     assert max(a + b for a, b in zip(first.held, second.held, strict=True)) <= BUDGET
     assert max(first.held) > BUDGET // 2  # beyond its static share
-    assert first.held[-1] == second.held[-1] == BLOCK_BYTES  # idle: only the null block's page
+    # idle again: back to what instance 1 held before its requests (the null block's page
+    # and whatever fixed memory kvcore charges)
+    assert first.held[-1] == second.held[-1] == second.held[0] < BUDGET // 8
 
 
 def test_static_holds_its_share_and_waits_longer(runs: dict[str, list[InstanceResult]]) -> None:
