@@ -81,6 +81,8 @@ from typing import Any
 
 import numpy as np
 
+from kvcore.gpu_ledger import DIR_ENV
+
 GiB = 1 << 30
 BLOCK_TOKENS = 16
 # Llama-3-8B's KV shape: 32 layers x K,V x 8 heads x 128 x bf16 = 128 KiB per token.
@@ -423,7 +425,6 @@ class _Instance:
         self._hasher = get_request_block_hasher(BLOCK_TOKENS, sha256)
         self.executor = _StandInExecutor(self.scheduler)
         self.records: dict[str, RequestRecord] = {}
-        self._waiting_since: dict[str, int] = {}
 
     def _build_step_release(self, build: Callable[[], Any]) -> Any:
         """Build the scheduler with its page allocator gated by ``_StepReleaseGate`` over
@@ -520,7 +521,7 @@ def _instance_main(conn: Connection, spec: InstanceSpec) -> None:
     ``("done",)``, answering each with a ``StepSample`` (or ``("error", text)``)."""
     log = open(spec.log_path, "a")  # noqa: SIM115 - lives as long as the process
     os.dup2(log.fileno(), 2)  # vLLM's start-up chatter goes to the log, not the table
-    os.environ[_LEDGER_DIR_ENV] = spec.ledger_dir
+    os.environ[DIR_ENV] = spec.ledger_dir  # KVCORE_LEDGER_DIR: this run's private ledger
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # no accelerator is probed
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model config is a local file
     instance = None
@@ -545,9 +546,6 @@ def _instance_main(conn: Connection, spec: InstanceSpec) -> None:
     finally:
         if instance is not None:
             instance.close()
-
-
-_LEDGER_DIR_ENV = "KVCORE_LEDGER_DIR"
 
 
 # ------------------------------------------------------------------------------ a run
