@@ -1303,7 +1303,12 @@ def _handoff_worker(conn: Any, spec: dict[str, Any]) -> None:
     state: dict[str, Any] = {}
 
     def setup(page_bytes: int) -> dict[str, Any]:
+        rows = spec["total_bytes"] // shape.compound_row_bytes
+        geo = kv_geometry(backend, shape, rows, page_bytes, "compound")
+        state["cache"] = cache = kv_cache(backend, geo)
         if spec.get("set_budget"):
+            # the pages plus both engines' zero pages (the allocator charges each cache's
+            # zero page to its gate for its whole life; A and B share one geometry)
             with contextlib.closing(
                 GpuLedger.open(
                     backend.device_uuid(),
@@ -1311,14 +1316,11 @@ def _handoff_worker(conn: Any, spec: dict[str, Any]) -> None:
                     directory=directory,
                 )
             ) as ledger:
-                ledger.set_budget(spec["set_budget"])
+                ledger.set_budget(spec["set_budget"] + 2 * cache.zero_page_bytes)
         gate = LedgerGate.from_backend(
             backend, name=spec["name"], engine="gpu-suite", directory=directory
         )
         state["gate"] = gate
-        rows = spec["total_bytes"] // shape.compound_row_bytes
-        geo = kv_geometry(backend, shape, rows, page_bytes, "compound")
-        state["cache"] = cache = kv_cache(backend, geo)
         # no handle pool: the gate is charged exactly what the mapper holds (pooled handles
         # included), so handles A pooled would stay charged to A and B could never get the
         # whole budget; a handoff returns memory to the driver, which a pool would not
@@ -1527,9 +1529,10 @@ def step_handoff(suite: Suite) -> dict[str, Any]:
     total = sz.handoff_bytes
     details: dict[str, Any] = {
         "total_bytes": total,
-        "coordination": "per-GPU ledger (LedgerGate; GPU budget = the handoff size, so B's "
-        "allocator misses until A's pages are unmapped and their bytes released); B polls "
-        "acquire() every 0.1 ms",
+        "coordination": "per-GPU ledger (LedgerGate; GPU budget = the handoff size plus both "
+        "caches' zero pages, which each allocator charges for its life, so B's allocator "
+        "misses until A's pages are unmapped and their bytes released); B polls acquire() "
+        "every 0.1 ms",
         "ledger_dir": "a private temporary directory (the machine's /dev/shm ledger untouched)",
         "per_page_size": {},
     }

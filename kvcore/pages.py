@@ -30,12 +30,14 @@ the last finished step frees everything released behind it or any earlier step.
 
 Accounting. The gate is charged for exactly the device memory the mapper holds
 (``PageMapper.held_bytes``: mapped pages, handles the mapper pools for reuse, handles whose
-release failed, quarantined pages), never for a byte twice. With ``charge_fixed_bytes=True``
-it is also charged the mapper's ``fixed_bytes`` (``LocalPageMapper``: the cache's zero page,
-up to 128 MiB), from construction to ``close``; a gate that refuses them at construction
-raises ``PoolFailed``.
-Off by default for now: turning it on shifts every gate budget by the zero page, and the
-ledger, family and engine-adapter budgets are still sized without it. Before a map the allocator
+release failed, quarantined pages), never for a byte twice. By default
+(``charge_fixed_bytes=True``) it is also charged the mapper's ``fixed_bytes``
+(``LocalPageMapper``: the cache's zero page, up to 128 MiB; see
+``kvcore.tensors.default_zero_page_bytes``), from construction to ``close``, so a per-GPU
+ledger shows what an instance really holds; a gate that refuses them at construction
+raises ``PoolFailed``. A budget for ``n`` pages is therefore ``n * page_bytes +
+fixed_bytes``. ``charge_fixed_bytes=False`` leaves the zero page out (whole-page
+arithmetic in tests; a caller that charges it elsewhere). Before a map the allocator
 charges the most the map can add (``pages - mapper.pooled_pages`` pages: a map served from
 the pool charges nothing); after every mapper call it settles the charge to ``held_bytes``,
 giving back only real shrinkage. Charges and mapper calls happen under one lock, so the
@@ -206,7 +208,7 @@ class PageAllocator:
         retry_interval: float = 0.05,
         poll_interval: float = 0.25,
         refill_batch: int = 8,
-        charge_fixed_bytes: bool = False,
+        charge_fixed_bytes: bool = True,
     ) -> None:
         num_pages = mapper.num_pages
         if refill_batch < 1:

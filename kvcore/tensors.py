@@ -19,7 +19,7 @@ one zero mapping per slot up to 128 MiB pages, at most ``range / 128 MiB`` mappi
 whole range, for one handle of up to 128 MiB of device memory per cache. Pass
 ``zero_page_bytes=`` (a multiple of the granularity dividing ``page_bytes``) to trade the
 other way. The zero page is real device memory: ``LocalPageMapper.fixed_bytes`` reports it
-(``PageAllocator(charge_fixed_bytes=True)`` charges it to the memory gate).
+(``PageAllocator`` charges it to the memory gate by default).
 
 A write through an unbacked block is a bug: normally the zero page is read-only and the
 write faults (``SIGSEGV`` on ``host``, an illegal-address error on a GPU). With

@@ -188,11 +188,14 @@ def allocator_instance(name: str, budget_uuid: str, steps: Any, results: Any) ->
     """A real page allocator (``tests/memstack.py``: host backend -> virtual KV cache ->
     mapper -> ``PageAllocator``) whose gate is a ``LedgerGate``. Obeys ``steps`` (a queue):
     ``"fill"`` acquires single pages until a miss, ``"drop"`` releases every page (no
-    reserve: they are unmapped), ``"stop"`` closes; reports after each step."""
+    reserve: they are unmapped), ``"stop"`` closes, anything else does nothing; reports
+    after each step."""
     from tests.memstack import build_stack
 
     gate = LedgerGate(GpuLedger.open(budget_uuid), name=name, engine="test")
-    stack = build_stack("host", num_blocks=64, blocks_per_page=4, gate=gate)
+    # the allocator's default: the cache's zero page (one 64 KiB granule) is charged too
+    stack = build_stack("host", num_blocks=64, blocks_per_page=4, gate=gate,
+                        charge_fixed_bytes=None)  # fmt: skip
     held: list[int] = []
     while (step := steps.get(timeout=60)) != "stop":
         if step == "fill":
@@ -209,6 +212,7 @@ def allocator_instance(name: str, budget_uuid: str, steps: Any, results: Any) ->
                 "mapped_pages": len(stack.mapped_pages()),
                 "ledger_mapped": gate.record().mapped,
                 "page_bytes": stack.pages.page_bytes,
+                "zero_page_bytes": stack.cache.zero_page_bytes,
             }
         )
     stack.close()

@@ -392,8 +392,10 @@ def test_separate_pools_share_one_gate() -> None:
     ]
     page = layouts[0].geometry.page_device_bytes
     assert layouts[1].geometry.page_device_bytes == 3 * page // 2
-    gate = BudgetGate(limit=4 * page)
+    zero = HOST_GRANULARITY  # each pool's zero page (one granule), charged while it is open
+    gate = BudgetGate(limit=4 * page + 2 * zero)
     with open_stack("host", layouts[0], gate) as f, open_stack("host", layouts[1], gate) as w:
+        assert f.mem.cache.zero_page_bytes == w.mem.cache.zero_page_bytes == zero
         per_page = layouts[0].geometry.blocks_per_page
         held = f.ledger.alloc(3 * per_page)  # 3 of the 4 pages' worth
         assert held is not None
@@ -401,4 +403,4 @@ def test_separate_pools_share_one_gate() -> None:
         f.ledger.free(held[:per_page])
         assert len(f.mapped()) == 2  # flushed: the emptied page went back to the driver
         got = w.ledger.alloc(1)
-        assert got is not None and gate.held == 2 * page + 3 * page // 2
+        assert got is not None and gate.held == 2 * page + 3 * page // 2 + 2 * zero

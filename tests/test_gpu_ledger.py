@@ -572,8 +572,9 @@ def test_kvctl_limit_races_allocation() -> None:
 
 def test_two_page_allocators_in_two_processes_share_a_budget() -> None:
     page = 64 << 10  # tests/memstack.py: one 64 KiB granule per page id
+    zero = page  # each cache's zero page (one granule), charged for the allocator's life
     led = GpuLedger.open(UUID, device_total=1024 * MiB)
-    led.set_budget(6 * page)
+    led.set_budget(6 * page + 2 * zero)
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     steps = {n: ctx.Queue() for n in ("a", "b")}
@@ -589,20 +590,24 @@ def test_two_page_allocators_in_two_processes_share_a_budget() -> None:
         out: dict[str, int] = results.get(timeout=120)
         assert out["name"] == name
         assert out["held_pages"] == out["mapped_pages"], "the ledger agrees with the mapper"
-        assert out["ledger_mapped"] == out["mapped_pages"] * page
+        assert out["zero_page_bytes"] == zero
+        assert out["ledger_mapped"] == out["mapped_pages"] * page + zero, "pages + zero page"
         return out
 
     try:
+        for q in steps.values():  # each charges its zero page at start: let both start first
+            q.put("report")
+        assert {results.get(timeout=120)["ledger_mapped"] for _ in steps} == {zero}
         steps["a"].put("fill")  # both fill at once
         steps["b"].put("fill")
         first = {o["name"]: o for o in (results.get(timeout=120) for _ in range(2))}
         assert first["a"]["held_pages"] + first["b"]["held_pages"] == 6
-        assert led.snapshot().total_mapped == 6 * page
+        assert led.snapshot().total_mapped == 6 * page + 2 * zero
         assert step("a", "drop")["mapped_pages"] == 0, "pages went back to the driver"
         assert step("b", "fill")["held_pages"] == 6, "b took what a gave back"
         assert step("a", "fill")["held_pages"] == 0, "a now misses: the budget is b's"
         snap = led.snapshot()
-        assert snap.total_mapped == 6 * page == sum(r.mapped for r in snap.records)
+        assert snap.total_mapped == 6 * page + 2 * zero == sum(r.mapped for r in snap.records)
     finally:
         for q in steps.values():
             q.put("stop")
@@ -617,33 +622,37 @@ def test_page_allocator_honours_trim_and_a_lowered_limit(ledger: GpuLedger) -> N
 
     g = gate(ledger, "a")
     stack = build_stack("host", num_blocks=64, blocks_per_page=4, gate=g, reserve_min=2,
-                        reserve_max=2)  # fmt: skip
+                        reserve_max=2, charge_fixed_bytes=None)  # fmt: skip
     page = stack.pages.page_bytes
+    zero = stack.cache.zero_page_bytes  # charged (in use, never idle) for the allocator's life
     try:
         assert stack.pages.flush()
-        assert (g.record().mapped, g.record().reserve) == (2 * page, 2 * page)
+        assert (g.record().mapped, g.record().reserve) == (2 * page + zero, 2 * page)
         ledger.request_trim("a", hold_s=60)
         deadline = time.monotonic() + 10
-        while g.record().mapped and time.monotonic() < deadline:
+        while g.record().reserve and time.monotonic() < deadline:
             time.sleep(0.02)  # the refill thread polls reserve_target
-        assert (g.record().mapped, g.record().reserve) == (0, 0), "reserve unmapped"
+        assert (g.record().mapped, g.record().reserve) == (zero, 0), "reserve unmapped"
         ledger.request_trim("a", hold_s=0)
         assert stack.pages.flush()
         assert g.record().reserve == 2 * page, "refilled once the trim ended"
         ids = stack.pages.acquire(4)
         assert ids is not None and stack.pages.flush()
-        assert (g.record().mapped, g.record().reserve) == (6 * page, 2 * page)
-        ledger.set_limit("a", 2 * page)  # below the 4 pages in use
+        assert (g.record().mapped, g.record().reserve) == (6 * page + zero, 2 * page)
+        ledger.set_limit("a", 2 * page + zero)  # below the 4 pages in use
         assert stack.pages.flush()
-        assert (g.record().mapped, g.record().reserve) == (4 * page, 0), "reserve went first"
+        assert (g.record().mapped, g.record().reserve) == (4 * page + zero, 0), "reserve first"
         assert g.record().over_limit
         assert stack.pages.acquire(1) is None, "a miss, not an error"
         stack.pages.release(ids[:3])
         assert stack.pages.flush()
         rec = g.record()  # one page in use; at most one more (reserve) fits the limit
-        assert rec.in_use == page and rec.mapped <= 2 * page and not rec.over_limit
+        assert rec.in_use == page + zero and rec.mapped <= 2 * page + zero
+        assert not rec.over_limit
         assert stack.pages.acquire(1) is not None
         assert stack.pages.acquire(1) is None
+        stack.pages.close()
+        assert g.record().mapped == 0, "the zero page's charge ends with the allocator"
     finally:
         stack.close()
     assert g.record().mapped == 0

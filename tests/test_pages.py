@@ -152,9 +152,9 @@ def test_gate_refusal_is_a_miss_with_nothing_mapped(backend: str) -> None:
     assert gate.held == 0
 
 
-def test_the_zero_page_is_charged_from_construction_to_close_when_asked(backend: str) -> None:
+def test_the_zero_page_is_charged_from_construction_to_close_by_default(backend: str) -> None:
     gate = UnlimitedGate()
-    stack = build_stack(backend, gate=gate, charge_fixed_bytes=True)
+    stack = build_stack(backend, gate=gate, charge_fixed_bytes=None)  # PageAllocator's default
     zero = stack.cache.zero_page_bytes
     try:
         assert zero > 0 and stack.mapper.fixed_bytes == zero
@@ -174,7 +174,7 @@ def test_a_gate_without_room_for_the_zero_page_refuses_the_allocator(backend: st
     with pytest.raises(PoolFailed, match="zero page"):
         build_stack(backend, gate=gate, charge_fixed_bytes=True)
     assert gate.held == 0
-    stack = build_stack(backend, gate=gate)  # the default leaves the zero page uncharged
+    stack = build_stack(backend, gate=gate, charge_fixed_bytes=False)  # opted out: uncharged
     try:
         assert gate.held == 0
     finally:

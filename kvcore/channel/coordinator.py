@@ -44,7 +44,8 @@ pages mapped, prepared or quarantined here, at the largest worker's ``page_bytes
 worker is on its own GPU; the gate stands for the fullest). Workers keep no handle pool
 (``WorkerListener`` releases its mapper's pool after every request that can fill it), so
 ``pooled_pages`` is 0 and ``trim_pool`` has nothing to do. A quarantined page counts in full
-even where some workers did release it.
+even where some workers did release it. ``fixed_bytes`` is the largest worker's zero page
+(from the handshake), which the page allocator charges for its whole life.
 
 Thread safety: calls are serialised by a lock, so the page allocator's refill thread and
 the scheduling thread may both call; a transaction holds the lock for one round trip to
@@ -239,6 +240,12 @@ class ChannelCoordinator:
         """Device bytes the fullest worker holds: every page not unmapped (module
         docstring)."""
         return self._held_pages * self.page_bytes
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Device bytes the fullest worker holds whatever the page states (its cache's zero
+        page, as its handshake reported it; ``kvcore.mapper``)."""
+        return max(w.welcome.fixed_bytes for w in self._workers)
 
     @property
     def pooled_pages(self) -> int:

@@ -28,7 +28,8 @@ frame). The three message types:
 
 ``Hello`` / ``Welcome``
     the handshake: the coordinator names the rank it expects and the instance; the worker
-    answers with its pid and its mapper's ``num_pages`` and ``page_bytes``.
+    answers with its pid and its mapper's ``num_pages``, ``page_bytes`` and ``fixed_bytes``
+    (device memory held whatever the page states: its cache's zero page).
 ``Request``
     one transition (``Op``) of one transaction id over several page ids.
 ``Reply``
@@ -48,7 +49,7 @@ from typing import Any
 
 from kvcore.errors import MalformedMessage, OversizedMessage, VersionMismatch
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Bumped on any change of a message's fields; peers of another version are refused."""
 
 MAGIC = b"KVCH"
@@ -109,6 +110,8 @@ class Welcome:
     pid: int
     num_pages: int
     page_bytes: int
+    fixed_bytes: int = 0
+    """The worker mapper's ``fixed_bytes`` (its cache's zero page; ``kvcore.mapper``)."""
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,7 @@ def _to_body(message: Message) -> tuple[Kind, bytes]:
             "pid": message.pid,
             "num_pages": message.num_pages,
             "page_bytes": message.page_bytes,
+            "fixed_bytes": message.fixed_bytes,
         }
     )
 
@@ -244,12 +248,13 @@ def decode_body(kind: Kind, body: bytes) -> Message:
     if kind is Kind.HELLO:
         fields.expect("rank", "world_size", "instance")
         return Hello(fields.integer("rank"), fields.integer("world_size"), fields.text("instance"))
-    fields.expect("rank", "pid", "num_pages", "page_bytes")
+    fields.expect("rank", "pid", "num_pages", "page_bytes", "fixed_bytes")
     return Welcome(
         fields.integer("rank"),
         fields.integer("pid"),
         fields.integer("num_pages"),
         fields.integer("page_bytes"),
+        fields.integer("fixed_bytes"),
     )
 
 

@@ -212,7 +212,13 @@ class WorkerListener:
         conn.settimeout(None)
         send_message(
             conn,
-            Welcome(self.rank, os.getpid(), self.mapper.num_pages, self.mapper.page_bytes),
+            Welcome(
+                self.rank,
+                os.getpid(),
+                self.mapper.num_pages,
+                self.mapper.page_bytes,
+                int(getattr(self.mapper, "fixed_bytes", 0)),
+            ),
         )
 
     def _reject(self, conn: socket.socket, exc: BaseException) -> None:

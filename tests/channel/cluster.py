@@ -98,6 +98,10 @@ class _Hooked:
         return int(self.inner.held_bytes)
 
     @property
+    def fixed_bytes(self) -> int:
+        return int(self.inner.fixed_bytes)
+
+    @property
     def pooled_pages(self) -> int:
         return int(self.inner.pooled_pages)
 

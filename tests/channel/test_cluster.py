@@ -175,18 +175,23 @@ def test_page_allocator_drives_every_worker(tp2: Cluster) -> None:
 
 def test_the_gate_is_charged_what_every_worker_holds(tp2: Cluster) -> None:
     """Workers keep no pooled handles the coordinator cannot see: the gate's charge is the
-    device memory each worker holds, through maps, unmaps and a rolled-back map."""
+    device memory each worker holds (its pages and its zero page, which the handshake
+    reports), through maps, unmaps and a rolled-back map."""
     gate = UnlimitedGate()
+    zero = tp2.coordinator.fixed_bytes
+    assert zero > 0
     allocator = PageAllocator(tp2.coordinator, gate, reserve_min=0, reserve_max=1)
+    assert gate.held == zero
 
     def check() -> None:
         assert allocator.flush()
-        assert [tp2.held(r) for r in (0, 1)] == [gate.held] * 2
-        assert gate.held == tp2.coordinator.held_bytes == allocator.stats().charged_bytes
+        assert [tp2.held(r) + zero for r in (0, 1)] == [gate.held] * 2
+        assert gate.held - zero == tp2.coordinator.held_bytes
+        assert gate.held == allocator.stats().charged_bytes
 
     try:
         pages = allocator.acquire(4)
-        assert pages is not None and gate.held == 4 * tp2.coordinator.page_bytes
+        assert pages is not None and gate.held == 4 * tp2.coordinator.page_bytes + zero
         check()
         allocator.release(pages)  # one stays in the reserve, three are unmapped
         check()

@@ -28,7 +28,7 @@ from kvcore.errors import MalformedMessage, OversizedMessage, VersionMismatch
 
 MESSAGES = [
     Hello(rank=3, world_size=4, instance="ch-1-2"),
-    Welcome(rank=3, pid=1234, num_pages=70_000, page_bytes=2 << 20),
+    Welcome(rank=3, pid=1234, num_pages=70_000, page_bytes=2 << 20, fixed_bytes=2 << 20),
     Request(Op.MAP, txn=7, pages=(0, 5, 69_999)),
     Request(Op.UNDO_MAP, txn=7),
     Reply(Op.PREPARE, txn=9),
@@ -109,7 +109,7 @@ def _reply(op: int, txn: int, flag: int, rest: bytes = b"") -> bytes:
         (frame(1, {"rank": True, "world_size": 1, "instance": "x"}), MalformedMessage, "non-neg"),
         (frame(1, {"rank": 0, "world_size": 1, "instance": 5}), MalformedMessage, "string"),
         (
-            frame(2, {"rank": 0, "pid": 1, "num_pages": "8", "page_bytes": 1}),
+            frame(2, {"rank": 0, "pid": 1, "num_pages": "8", "page_bytes": 1, "fixed_bytes": 0}),
             MalformedMessage,
             "non-negative",
         ),

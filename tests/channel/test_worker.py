@@ -79,7 +79,7 @@ class _Session:
 def test_transaction_rules_end_to_end(mapper: LocalPageMapper, directory: ChannelDirectory) -> None:
     listener = WorkerListener(mapper, rank=0, channel_dir=directory.path).start()
     session = _Session(listener.path, 0)
-    assert session.welcome == Welcome(0, session.welcome.pid, 8, GRAN)
+    assert session.welcome == Welcome(0, session.welcome.pid, 8, GRAN, GRAN)  # zero page: GRAN
 
     assert session.ask(Op.MAP, 1, 0, 1).ok
     assert session.ask(Op.MAP, 1, 0, 1).ok  # retransmit: applied once
