@@ -15,7 +15,8 @@ machines. Each geometry is a different blocks-per-page count: 16 (one page per a
     PYTHONPATH=. python benchmarks/ledger_alloc.py [--repeats 15] [--iters 2000] [--json F]
 
 Numbers are medians over ``--repeats`` timed runs of ``--iters`` alloc(16)+free cycles each,
-after a warm-up run.
+after a warm-up run. ``--batch N`` allocates and frees N blocks per call instead (an SGLang
+prefill asks for ~150 at once): the bulk paths, whose per-id cost should fall as N grows.
 """
 
 from __future__ import annotations
@@ -72,19 +73,19 @@ def _geometry(blocks_per_page: int, num_blocks: int) -> KVGeometry:
 
 
 def _time_loop(
-    alloc: Any, free: Any, iters: int, held: collections.deque[list[int]]
+    alloc: Any, free: Any, iters: int, held: collections.deque[list[int]], batch: int = BATCH
 ) -> tuple[float, float]:
-    """Wall and thread-CPU seconds for ``iters`` cycles of alloc(BATCH) + free. With
+    """Wall and thread-CPU seconds for ``iters`` cycles of alloc(batch) + free. With
     allocations ``held`` (a rolling working set: partly used pages, pages emptied out of
     order) each cycle frees the oldest held allocation instead of its own."""
     wall, cpu = time.perf_counter(), time.thread_time()
     if held:
         for _ in range(iters):
-            held.append(alloc(BATCH))
+            held.append(alloc(batch))
             free(held.popleft())
     else:
         for _ in range(iters):
-            free(alloc(BATCH))
+            free(alloc(batch))
     return time.perf_counter() - wall, time.thread_time() - cpu
 
 
@@ -103,12 +104,14 @@ class _FreeList:
         self.free_ids.extend(ids)
 
 
-def measure(blocks_per_page: int, window: int, repeats: int, iters: int) -> dict[str, Any]:
+def measure(
+    blocks_per_page: int, window: int, repeats: int, iters: int, batch: int = BATCH
+) -> dict[str, Any]:
     """One geometry and pattern: ledger and free-list medians (us per block allocated and
     freed) and driver/mapper-call counts of the timed runs."""
-    num_blocks = blocks_per_page * 64
+    pages_per_batch = -(-batch // blocks_per_page)
+    num_blocks = blocks_per_page * max(64, (window + 2) * pages_per_batch)
     geometry = _geometry(blocks_per_page, num_blocks)
-    pages_per_batch = -(-BATCH // blocks_per_page)
     # min = one batch, max = two: a steady loop never needs the driver at all
     reserve_min, reserve_max = pages_per_batch, 2 * pages_per_batch
     vmm = FaultInjector(
@@ -124,12 +127,12 @@ def measure(blocks_per_page: int, window: int, repeats: int, iters: int) -> dict
     try:
         pages.flush()
         for _ in range(window):  # the rolling working set, set up outside the counts
-            got = ledger.alloc(BATCH)
+            got = ledger.alloc(batch)
             assert got is not None
             ours_held.append(got)
-            plain_held.append(baseline.alloc(BATCH))
-        _time_loop(ledger.alloc, ledger.free, iters, ours_held)  # warm-up
-        _time_loop(baseline.alloc, baseline.free, iters, plain_held)
+            plain_held.append(baseline.alloc(batch))
+        _time_loop(ledger.alloc, ledger.free, iters, ours_held, batch)  # warm-up
+        _time_loop(baseline.alloc, baseline.free, iters, plain_held, batch)
         pages.flush()
         me = threading.get_ident()
         vmm.reset_counts()
@@ -137,8 +140,8 @@ def measure(blocks_per_page: int, window: int, repeats: int, iters: int) -> dict
         ours: list[tuple[float, float]] = []
         plain: list[tuple[float, float]] = []
         for _ in range(repeats):  # interleaved, so both see the same machine state
-            ours.append(_time_loop(ledger.alloc, ledger.free, iters, ours_held))
-            plain.append(_time_loop(baseline.alloc, baseline.free, iters, plain_held))
+            ours.append(_time_loop(ledger.alloc, ledger.free, iters, ours_held, batch))
+            plain.append(_time_loop(baseline.alloc, baseline.free, iters, plain_held, batch))
         after = pages.stats()
         driver_calls_here = vmm.calls(thread=me)
         driver_calls_total = vmm.calls()
@@ -146,15 +149,16 @@ def measure(blocks_per_page: int, window: int, repeats: int, iters: int) -> dict
         pages.close()
         mapper.close()
         cache.close()
-    per_block = 1e6 / (iters * BATCH)
+    per_block = 1e6 / (iters * batch)
 
     def med(runs: list[tuple[float, float]], i: int) -> float:
         return round(statistics.median(r[i] for r in runs) * per_block, 4)
 
     return {
         "blocks_per_page": blocks_per_page,
+        "batch": batch,
         "pattern": f"window {window}" if window else "same blocks",
-        "pages_per_alloc16": pages_per_batch,
+        "pages_per_alloc": pages_per_batch,
         "reserve_min_max": [reserve_min, reserve_max],
         "ledger_us_per_block_cpu": med(ours, 1),
         "ledger_us_per_block_wall": med(ours, 0),
@@ -190,11 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--window", type=int, default=8, help="outstanding allocations of the rolling pattern"
     )
+    parser.add_argument(
+        "--batch", type=int, default=BATCH, help="blocks per alloc (and per free) call"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
 
     rows = [
-        measure(bpp, window, args.repeats, args.iters)
+        measure(bpp, window, args.repeats, args.iters, args.batch)
         for bpp in args.blocks_per_page
         for window in (0, args.window)
     ]
@@ -209,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         "goal_us_per_block": 2.0,
         "rows": rows,
     }
-    table = Table(title=f"BlockLedger alloc({BATCH}) + free, reserve warm (medians, us/block)")
+    table = Table(title=f"BlockLedger alloc({args.batch}) + free, reserve warm (medians, us/block)")
     for col in (
         "blocks /page",
         "pattern",

@@ -17,13 +17,19 @@ may evict, those whose eviction empties a whole page come first.
 
 Cost. ``alloc(n)`` and ``free(ids)`` are O(n) plus O(pages touched), with no per-block
 objects: per-page free stacks of ints, a ``bytearray`` of block states, and buckets of
-partly used pages indexed by their free count (a bit mask finds the fullest in O(1)).
-``benchmarks/ledger_alloc.py`` measures it.
+partly used pages indexed by their free count (a bit mask finds the fullest in O(1)). The
+per-id Python work is bounded by the pages touched, not the ids: ``alloc`` hands out a page
+taken whole (and a run of consecutive fresh pages) with list and ``bytearray`` slice
+operations; ``free`` of many ids sorts them and checks and writes each page's share at once
+(a contiguous share with one ``bytearray.count`` and one slice write; a page it empties
+with one slice write and no stack work). ``benchmarks/ledger_alloc.py`` measures it, and
+``benchmarks/sglang_alloc.py`` in an engine's allocator.
 """
 
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 
 from kvcore.errors import GeometryError, InvalidTransition, PoolFailed
@@ -36,6 +42,9 @@ _FREE = 0
 _ALLOCATED = 1
 _RESERVED = 2  # permanently allocated at construction (e.g. vLLM's null block)
 _NOT_HELD = -1  # a page this ledger does not hold (not acquired from the page allocator)
+_ALLOCATED_BYTE = bytes((_ALLOCATED,))
+# free() of at least this many ids checks and writes them page by page (sorted, slices)
+_BY_PAGE_MIN = 8
 
 
 class BlockLedger:
@@ -94,6 +103,19 @@ class BlockLedger:
             )
         for b in reserved:
             self._state[b] = _RESERVED
+        # a page's row of block states once every block on it is allocated: the default, and
+        # the rows that differ (the short last page, pages holding reserved blocks)
+        self._full_row = _ALLOCATED_BYTE * bpp
+        self._full_rows: dict[int, bytes] = {}
+        if self._short_last:
+            self._full_rows[num_pages - 1] = _ALLOCATED_BYTE * self._capacity[-1]
+        for p in held:
+            first = p * bpp
+            row = bytearray(_ALLOCATED_BYTE * self._capacity[p])
+            for b in geometry.blocks_of(p):
+                if self._state[b] == _RESERVED:
+                    row[b - first] = _RESERVED
+            self._full_rows[p] = bytes(row)
         self._used = len(reserved)
         for p in held:
             stack = [b for b in reversed(geometry.blocks_of(p)) if self._state[b] == _FREE]
@@ -133,48 +155,13 @@ class BlockLedger:
                 if not fresh:
                     return None
             out: list[int] = []
-            state = self._state
-            stacks = self._stacks
-            buckets = self._buckets
-            bucket_of = self._bucket_of
-            remaining = n
-            while remaining:
-                mask = self._nonempty
-                if mask:  # the fullest partly used page
-                    f = (mask & -mask).bit_length() - 1
-                    bucket = buckets[f]
-                    p = bucket.popitem()[0]
-                    if not bucket:
-                        self._nonempty = mask & ~(1 << f)
-                    bucket_of[p] = 0
-                    stack = stacks[p]
-                else:
-                    p = fresh.pop()
-                    first = p * self._bpp
-                    stack = list(range(first + self._capacity[p] - 1, first - 1, -1))
-                    stacks[p] = stack
-                    bucket_of[p] = 0
-                    self._free_slots += len(stack)
-                k = len(stack)
-                if k <= remaining:  # take the whole page
-                    got = stack
-                    stacks[p] = []
-                else:
-                    got = stack[k - remaining :]
-                    del stack[k - remaining :]
-                    bucket = buckets[k - remaining]
-                    if not bucket:
-                        self._nonempty |= 1 << (k - remaining)
-                    bucket[p] = None
-                    bucket_of[p] = k - remaining
-                for b in got:
-                    state[b] = _ALLOCATED
-                out += got
-                remaining -= len(got)
+            remaining = self._take_partly_used(out, n) if self._nonempty else n
+            if remaining:
+                used = self._take_fresh(out, remaining, fresh)
+                if used < len(fresh):  # over-covered by a short last page: give it back
+                    self._pages.release(fresh[used:])
             self._free_slots -= n
             self._used += n
-            if fresh:  # over-covered by a short last page of the geometry: give it back
-                self._pages.release(fresh)
             return out
 
     def free(self, block_ids: Sequence[int], fence: int | None = None) -> None:
@@ -184,58 +171,9 @@ class BlockLedger:
         naming the id, with nothing changed, for a double free, an id never allocated, a
         reserved id or one out of range."""
         with self._lock:
-            state = self._state
-            stacks = self._stacks
-            nb = self._num_blocks
-            bpp = self._bpp
-            touched: list[int] = []
-            last = -1
-            stack: list[int] = []
-            for i, b in enumerate(block_ids):
-                if not 0 <= b < nb or state[b] != _ALLOCATED:
-                    self._undo_free(block_ids, i)
-                    raise InvalidTransition(
-                        f"block ledger: cannot free block {b}: {self._why_not_freeable(b)}",
-                        ids=(b,),
-                        hint="free only ids alloc() returned, once each",
-                    )
-                state[b] = _FREE
-                p = b // bpp
-                if p != last:
-                    last = p
-                    stack = stacks[p]
-                    touched.append(p)
-                stack.append(b)
-            n = len(block_ids)
-            self._used -= n
-            self._free_slots += n
-            emptied: list[int] = []
-            capacity = self._capacity
-            buckets = self._buckets
-            bucket_of = self._bucket_of
-            for p in touched:
-                was = bucket_of[p]
-                now = len(stacks[p])
-                if was in (now, _NOT_HELD):
-                    continue  # seen (or emptied) earlier in this loop
-                if was:
-                    bucket = buckets[was]
-                    del bucket[p]
-                    if not bucket:
-                        self._nonempty &= ~(1 << was)
-                if now == capacity[p]:
-                    stacks[p] = []
-                    bucket_of[p] = _NOT_HELD
-                    self._free_slots -= now
-                    emptied.append(p)
-                else:
-                    bucket = buckets[now]
-                    if not bucket:
-                        self._nonempty |= 1 << now
-                    bucket[p] = None
-                    bucket_of[p] = now
-            if emptied:
-                self._pages.release(emptied, fence)
+            if len(block_ids) >= _BY_PAGE_MIN and self._free_by_page(block_ids, fence):
+                return
+            self._free_each(block_ids, fence)
 
     def available(self) -> int:
         """Blocks ``alloc`` could hand out now: free blocks on held pages plus the blocks of
@@ -309,6 +247,196 @@ class BlockLedger:
             got += more
             covered += sum(capacity[p] for p in more) if self._short_last else len(more) * bpp
         return got
+
+    def _take_partly_used(self, out: list[int], n: int) -> int:
+        """Append up to ``n`` free blocks of partly used pages to ``out``, fullest page
+        first; returns how many are still wanted. A page taken whole costs one slice write,
+        whatever its size; only the last page, taken in part, is written id by id."""
+        state = self._state
+        stacks = self._stacks
+        buckets = self._buckets
+        bucket_of = self._bucket_of
+        full_rows = self._full_rows
+        full_row = self._full_row
+        bpp = self._bpp
+        while n and self._nonempty:
+            mask = self._nonempty
+            f = (mask & -mask).bit_length() - 1  # len(stacks[p]) of the pages in bucket f
+            bucket = buckets[f]
+            p = bucket.popitem()[0]
+            if not bucket:
+                self._nonempty = mask & ~(1 << f)
+            stack = stacks[p]
+            if f <= n:  # take the whole page: every block on it is now allocated
+                out += stack
+                stacks[p] = []
+                bucket_of[p] = 0
+                row = full_rows.get(p, full_row)
+                first = p * bpp
+                state[first : first + len(row)] = row
+                n -= f
+            else:
+                keep = f - n
+                got = stack[keep:]
+                del stack[keep:]
+                for b in got:
+                    state[b] = _ALLOCATED
+                out += got
+                self._bucket_add(p, keep)
+                n = 0
+        return n
+
+    def _take_fresh(self, out: list[int], n: int, fresh: list[int]) -> int:
+        """Append ``n`` blocks of the ``fresh`` pages (in their order) to ``out``; returns
+        how many of them it used. A run of consecutive pages taken whole costs one range and
+        one slice write; a page taken in part keeps its upper blocks on its free stack."""
+        state = self._state
+        capacity = self._capacity
+        bucket_of = self._bucket_of
+        bpp = self._bpp
+        i = 0
+        count = len(fresh)
+        while n:
+            p = q = fresh[i]
+            start = end = p * bpp
+            while i < count and fresh[i] == q and end + capacity[q] - start <= n:
+                end += capacity[q]
+                bucket_of[q] = 0
+                q += 1
+                i += 1
+            if end > start:
+                k = end - start
+                out += range(start, end)
+                state[start:end] = _ALLOCATED_BYTE * k
+                self._free_slots += k
+                n -= k
+            else:  # only part of page p: its lowest blocks now, the others on its stack
+                cap = capacity[p]
+                out += range(start, start + n)
+                state[start : start + n] = _ALLOCATED_BYTE * n
+                self._stacks[p] = list(range(start + cap - 1, start + n - 1, -1))
+                self._free_slots += cap
+                self._bucket_add(p, cap - n)
+                i += 1
+                n = 0
+        return i
+
+    def _free_by_page(self, block_ids: Sequence[int], fence: int | None) -> bool:
+        """``free`` for many ids at once, page by page: the ids are sorted, each page's share
+        is checked (a contiguous share with one ``bytearray.count``) and written (a page
+        that empties, or a contiguous share, with one slice write). Returns ``False`` with
+        nothing changed when any id is not freeable: ``_free_each`` then names it."""
+        ids = sorted(block_ids)
+        n = len(ids)
+        if ids[0] < 0 or ids[-1] >= self._num_blocks or len(set(ids)) != n:
+            return False
+        state = self._state
+        bpp = self._bpp
+        shares: list[tuple[int, int, int]] = []  # (page, start, end) of ids[start:end]
+        i = 0
+        while i < n:
+            a = ids[i]
+            p = a // bpp
+            j = bisect_left(ids, (p + 1) * bpp, i)
+            if ids[j - 1] - a == j - i - 1:  # distinct and sorted: a contiguous run
+                if state.count(_ALLOCATED, a, a + j - i) != j - i:
+                    return False
+            elif any(state[b] != _ALLOCATED for b in ids[i:j]):
+                return False
+            shares.append((p, i, j))
+            i = j
+        self._used -= n
+        self._free_slots += n
+        stacks = self._stacks
+        capacity = self._capacity
+        buckets = self._buckets
+        bucket_of = self._bucket_of
+        emptied: list[int] = []
+        for p, i, j in shares:
+            k = j - i
+            stack = stacks[p]
+            was = bucket_of[p]
+            now = len(stack) + k
+            if was:
+                bucket = buckets[was]
+                del bucket[p]
+                if not bucket:
+                    self._nonempty &= ~(1 << was)
+            if now == capacity[p]:  # no block left on the page (reserved ones never leave)
+                first = p * bpp
+                state[first : first + now] = bytes(now)
+                stacks[p] = []
+                bucket_of[p] = _NOT_HELD
+                self._free_slots -= now
+                emptied.append(p)
+                continue
+            a = ids[i]
+            if ids[j - 1] - a == k - 1:
+                state[a : a + k] = bytes(k)
+            else:
+                for b in ids[i:j]:
+                    state[b] = _FREE
+            stack += ids[i:j]
+            self._bucket_add(p, now)
+        if emptied:
+            self._pages.release(emptied, fence)
+        return True
+
+    def _free_each(self, block_ids: Sequence[int], fence: int | None) -> None:
+        """``free`` id by id (few ids, or one not freeable: raises naming it, after undoing
+        what it changed)."""
+        state = self._state
+        stacks = self._stacks
+        nb = self._num_blocks
+        bpp = self._bpp
+        touched: list[int] = []
+        last = -1
+        stack: list[int] = []
+        for i, b in enumerate(block_ids):
+            if not 0 <= b < nb or state[b] != _ALLOCATED:
+                self._undo_free(block_ids, i)
+                raise InvalidTransition(
+                    f"block ledger: cannot free block {b}: {self._why_not_freeable(b)}",
+                    ids=(b,),
+                    hint="free only ids alloc() returned, once each",
+                )
+            state[b] = _FREE
+            p = b // bpp
+            if p != last:
+                last = p
+                stack = stacks[p]
+                touched.append(p)
+            stack.append(b)
+        n = len(block_ids)
+        self._used -= n
+        self._free_slots += n
+        emptied: list[int] = []
+        capacity = self._capacity
+        buckets = self._buckets
+        bucket_of = self._bucket_of
+        for p in touched:
+            was = bucket_of[p]
+            now = len(stacks[p])
+            if was in (now, _NOT_HELD):
+                continue  # seen (or emptied) earlier in this loop
+            if was:
+                bucket = buckets[was]
+                del bucket[p]
+                if not bucket:
+                    self._nonempty &= ~(1 << was)
+            if now == capacity[p]:
+                stacks[p] = []
+                bucket_of[p] = _NOT_HELD
+                self._free_slots -= now
+                emptied.append(p)
+            else:
+                bucket = buckets[now]
+                if not bucket:
+                    self._nonempty |= 1 << now
+                bucket[p] = None
+                bucket_of[p] = now
+        if emptied:
+            self._pages.release(emptied, fence)
 
     def _bucket_add(self, page: int, free: int) -> None:
         bucket = self._buckets[free]

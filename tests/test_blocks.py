@@ -3,6 +3,7 @@ hint, and invariants 1 and 4 under a randomized engine-like workload."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 
 import pytest
@@ -124,6 +125,21 @@ def test_freeing_wrong_ids_raises_naming_the_id_and_changes_nothing(stack: MemSt
     with pytest.raises(InvalidTransition, match=f"block {a}: not allocated"):
         ledger.free([a])  # double free
     assert ledger.used() == 3
+
+
+def test_a_large_free_checks_every_id_of_a_gapped_page_share(stack: MemStack) -> None:
+    ledger = stack.ledger()
+    ids = ledger.alloc(12)  # three full pages
+    assert ids is not None
+    first = min(ids)
+    ledger.free([first + 3])
+    # page `first`'s share has a gap (first+2 missing); its span holds only allocated blocks
+    bad = [first, first + 1, first + 3, *[b for b in ids if b >= first + 4]]
+    with pytest.raises(InvalidTransition, match=f"block {first + 3}: not allocated"):
+        ledger.free(bad)
+    assert ledger.used() == 11 and ledger.is_allocated(first + 2)
+    ledger.free([b for b in bad if b != first + 3] + [first + 2])
+    assert ledger.used() == 0 and stack.pages.stats().in_use == 0
 
 
 def test_reserved_blocks_keep_their_page_mapped_for_good(stack: MemStack) -> None:
@@ -299,5 +315,93 @@ def test_blocks_in_use_stay_mapped_and_keep_their_data(
             if stack.pages.state(p) is PageState.FREE:
                 blocks = list(stack.geometry.blocks_of(p))
                 assert all(not bool(v[blocks].any()) for v in views)
+    finally:
+        stack.close()
+
+
+# -- many ids per call: alloc's whole-page and free's page-by-page paths -------------------
+
+BIG_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["alloc", "free", "free-sorted", "free-bad"]),
+        st.integers(min_value=1, max_value=30),
+        st.randoms(use_true_random=False),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=BIG_OPS, bpp=st.sampled_from([4, 8]), short=st.booleans())
+def test_large_alloc_and_free_keep_placement_checks_and_pages_exact(
+    ops: list[tuple[str, int, random.Random]], bpp: int, short: bool
+) -> None:
+    """Against a model (the set of allocated ids): alloc(n) of many ids fills partly used
+    pages before fresh ones, fullest first; free of many ids (shuffled, sorted, contiguous or
+    not) empties exactly the pages left without an allocated block; a bad id anywhere in a
+    large free (double, never allocated, reserved, out of range, named twice) raises naming
+    it with nothing changed. Reserved block 0 and a short last page are in play."""
+    num_blocks = 12 * bpp - (bpp // 2 if short else 0)
+    stack = build_stack("host", num_blocks=num_blocks, blocks_per_page=bpp)
+    try:
+        ledger = stack.ledger(reserved_blocks=(0,))
+        geometry = stack.geometry
+        allocated: set[int] = set()
+
+        def live_on(page: int) -> int:
+            return sum(1 for b in geometry.blocks_of(page) if b in allocated or b == 0)
+
+        for op, n, rnd in ops:
+            held = {p for p in range(geometry.num_pages) if live_on(p)}
+            if op == "alloc":
+                free_slots = {p: len(geometry.blocks_of(p)) - live_on(p) for p in held}
+                got = ledger.alloc(n)
+                if got is None:
+                    assert n > num_blocks - 1 - len(allocated)
+                    continue
+                assert len(got) == n == len(set(got)) and not set(got) & (allocated | {0})
+                allocated |= set(got)
+                taken = {p: sum(1 for b in got if ledger.page_of(b) == p) for p in held}
+                partly = {p for p in held if free_slots[p]}
+                if n <= sum(free_slots.values()):  # no fresh page while room is left
+                    assert {ledger.page_of(b) for b in got} <= partly
+                else:
+                    assert all(taken[p] == free_slots[p] for p in partly)
+                emptied_first = [free_slots[p] for p in partly if taken[p] == free_slots[p]]
+                untouched = [free_slots[p] for p in partly if not taken[p]]
+                if emptied_first and untouched:  # fullest (fewest free slots) first
+                    assert max(emptied_first) <= min(untouched)
+                assert sum(1 for p in partly if 0 < taken[p] < free_slots[p]) <= 1
+            elif op in ("free", "free-sorted"):
+                victims = rnd.sample(sorted(allocated), min(n, len(allocated)))
+                if op == "free-sorted":
+                    victims.sort()
+                ledger.free(victims)
+                allocated -= set(victims)
+            else:
+                victims = rnd.sample(sorted(allocated), min(n, len(allocated)))
+                never = [b for b in range(1, num_blocks) if b not in allocated]
+                never = never and [rnd.choice(never)]
+                bad = rnd.choice([0, num_blocks, -1, *never, *victims[:1]])  # victim: twice
+                ids = [*victims, bad]
+                rnd.shuffle(ids)
+                if bad in victims:
+                    shown = "named twice"
+                    assert ids.count(bad) == 2
+                else:
+                    shown = "reserved" if bad == 0 else "range" if bad in (-1, num_blocks) else ""
+                with pytest.raises(InvalidTransition, match=f"block {bad}: .*{shown}") as err:
+                    ledger.free(ids)
+                assert err.value.ids == (bad,)
+            assert ledger.used() == len(allocated) + 1
+            assert all(ledger.is_allocated(b) for b in allocated)
+            assert not any(ledger.is_allocated(b) for b in set(range(1, num_blocks)) - allocated)
+            in_use = {p for p in range(geometry.num_pages) if live_on(p)}
+            states = {p: stack.pages.state(p) for p in range(geometry.num_pages)}
+            assert {p for p, s in states.items() if s is PageState.IN_USE} == in_use
+            assert stack.pages.flush()  # unmaps settled: every other block is available
+            assert ledger.available() == num_blocks - 1 - len(allocated)
+        ledger.free(sorted(allocated))
+        assert ledger.used() == 1 and stack.pages.stats().in_use == 1
     finally:
         stack.close()
