@@ -872,20 +872,34 @@ def _count_mapper_calls(suite: Suite, layout: str, page_bytes: int, num_blocks: 
 
 
 class _RawPageMirror:
-    """Raw ``cuda.bindings`` calls doing what ``LocalPageMapper`` does for one page id of
-    ``slots`` handle slots: a read-only zero page at every unbacked slot, a pool of reused
-    handles. map: unmap zero + map handle + set access rw; unmap: synchronize + unmap +
-    map zero + set access ro (the handle goes back to the pool)."""
+    """Raw ``cuda.bindings`` calls doing what ``LocalPageMapper`` does, over the same address
+    layout as kvcore's cache: ``slots`` reservations (one per virtual range: 1 compound,
+    layers x buffers per-layer) of ``num_pages`` page slots each, a read-only zero page at
+    every unbacked slot, a pool of reused handles. ``map_page(p)``: in every range unmap
+    zero + map handle + set access rw; ``unmap_page(p)``: synchronize, then in every range
+    unmap + map zero + set access ro (the handle goes back to the pool). The same layout
+    matters on a GPU: the driver's cost depends on the mappings around an address, so a
+    one-page mirror would time cheaper calls than kvcore's cache makes."""
 
-    def __init__(self, raw: RawCuda, slots: int, page_bytes: int, zero_bytes: int) -> None:
+    def __init__(
+        self, raw: RawCuda, slots: int, page_bytes: int, zero_bytes: int, num_pages: int = 1
+    ) -> None:
         self.raw, self.slots, self.pb = raw, slots, page_bytes
         self.gran = zero_bytes  # the size of kvcore's zero page (VirtualKVCache.zero_page_bytes)
-        self.size = slots * page_bytes
-        self.va = raw.reserve(self.size)
-        self.zero = raw.create(self.gran)
-        self.pool = [raw.create(page_bytes) for _ in range(slots)]
-        for j in range(slots):
-            self._map_zero(self.va + j * page_bytes)
+        self.size = num_pages * page_bytes
+        self.vas: list[int] = []
+        self.zero = None
+        self.pool: list[Any] = []
+        try:
+            self.vas = [raw.reserve(self.size) for _ in range(slots)]
+            self.zero = raw.create(self.gran)
+            self.pool = [raw.create(page_bytes) for _ in range(slots)]
+            for base in self.vas:
+                for p in range(num_pages):
+                    self._map_zero(base + p * page_bytes)
+        except BaseException:
+            self.close()
+            raise
 
     read_only = True
     """False once the driver refused read-only access (kvcore's backend then maps the zero
@@ -902,31 +916,37 @@ class _RawPageMirror:
                 self.read_only = False
         self.raw.set_access(va, self.pb)
 
-    def map_page(self) -> None:
-        raw = self.raw
-        for j in range(self.slots):
-            va = self.va + j * self.pb
-            raw.unmap(va, self.pb)
-            raw.map(va, self.pb, self.pool[j])
-            raw.set_access(va, self.pb)
+    def map_page(self, page: int = 0) -> None:
+        raw, pb, pool = self.raw, self.pb, self.pool
+        off = page * pb
+        for j, base in enumerate(self.vas):
+            va = base + off
+            raw.unmap(va, pb)
+            raw.map(va, pb, pool[j])
+            raw.set_access(va, pb)
 
-    def unmap_page(self) -> None:
-        raw = self.raw
+    def unmap_page(self, page: int = 0) -> None:
+        raw, pb = self.raw, self.pb
+        off = page * pb
         raw.synchronize()
-        for j in range(self.slots):
-            va = self.va + j * self.pb
-            raw.unmap(va, self.pb)
+        for base in self.vas:
+            va = base + off
+            raw.unmap(va, pb)
             self._map_zero(va)
 
     def close(self) -> None:
         raw = self.raw
-        with contextlib.suppress(Exception):
-            raw.unmap(self.va, self.size)
-        for h in [*self.pool, self.zero]:
+        for base in self.vas:
             with contextlib.suppress(Exception):
-                raw.release(h)
-        with contextlib.suppress(Exception):
-            raw.free_reservation(self.va, self.size)
+                raw.unmap(base, self.size)
+        for h in [*self.pool, self.zero]:
+            if h is not None:
+                with contextlib.suppress(Exception):
+                    raw.release(h)
+        for base in self.vas:
+            with contextlib.suppress(Exception):
+                raw.free_reservation(base, self.size)
+        self.vas, self.pool, self.zero = [], [], None
 
 
 def step_mapper(suite: Suite) -> dict[str, Any]:
@@ -948,7 +968,7 @@ def step_mapper(suite: Suite) -> dict[str, Any]:
                 counts = _count_mapper_calls(suite, layout, page_bytes, num_blocks)
                 cache = kv_cache(backend, geo)
                 mapper = kv_mapper(cache)
-                mirror = _RawPageMirror(raw, hpp, page_bytes, cache.zero_page_bytes)
+                mirror = _RawPageMirror(raw, hpp, page_bytes, cache.zero_page_bytes, geo.num_pages)
                 t_map: list[int] = []
                 t_unmap: list[int] = []
                 r_map: list[int] = []
@@ -964,9 +984,9 @@ def step_mapper(suite: Suite) -> dict[str, Any]:
                             mapper.prepare_unmap([p])
                             mapper.commit_unmap([p])
                         else:
-                            mirror.map_page()
+                            mirror.map_page(p)
                             t1 = clock()
-                            mirror.unmap_page()
+                            mirror.unmap_page(p)
                         t2 = clock()
                         if i >= 3:
                             (t_map if impl == "kvcore" else r_map).append(t1 - t0)
@@ -986,7 +1006,8 @@ def step_mapper(suite: Suite) -> dict[str, Any]:
                         goal="<= 1.1x raw",
                         limit=1.1,
                         note=f"{what}; driver calls per {name} (FaultInjector): {counts[name]}; "
-                        "raw mirrors the zero page and handle pool",
+                        "raw mirrors the zero page, handle pool and address layout (the same "
+                        "ranges and page ids in turn)",
                     )
                 details[layout] = {"handles_per_page": hpp, "driver_calls": counts}
             finally:

@@ -187,7 +187,9 @@ def run(reps: int = 31, inner: int = 2000) -> dict[str, Any]:
         )
         cache = VirtualKVCache(backend, geo)
         mapper = LocalPageMapper(cache)
-        mirror = gpu_suite._RawPageMirror(raw, geo.handles_per_page, pb, cache.zero_page_bytes)
+        mirror = gpu_suite._RawPageMirror(
+            raw, geo.handles_per_page, pb, cache.zero_page_bytes, geo.num_pages
+        )
         mapper.map([0])
         mapper.prepare_unmap([0])
         mapper.commit_unmap([0])
@@ -198,8 +200,8 @@ def run(reps: int = 31, inner: int = 2000) -> dict[str, Any]:
             mapper.commit_unmap([1])
 
         def raw_cycle(mirror: Any = mirror) -> None:
-            mirror.map_page()
-            mirror.unmap_page()
+            mirror.map_page(1)
+            mirror.unmap_page(1)
 
         fig = _pair(kv_cycle, raw_cycle, reps, max(inner // (10 * geo.handles_per_page), 20))
         fig["handles_per_page"] = geo.handles_per_page

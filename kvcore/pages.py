@@ -18,10 +18,16 @@ Page states (``PageState``)::
 
 The reserve. Up to ``reserve_max`` released pages stay mapped in the reserve (fewer when the
 gate's ``reserve_target`` says so); a background thread keeps at least ``reserve_min`` there
-by mapping ahead. While the reserve covers demand, ``acquire`` and ``release`` make no
-mapper (hence no driver) call on the calling thread: they move page ids between lists under
-one lock. Surplus pages are unmapped by the background thread too, so unmap outliers (3-5 ms
-on a GPU) never land on the scheduler thread. Only when the reserve and the pages waiting to
+by mapping ahead, more when demand asks for it: with ``reserve_min > 0`` the refill target
+is twice the largest ``acquire`` seen within ``demand_window`` seconds (two bursts' worth),
+between ``reserve_min`` and the reserve's cap, so a burst is covered without keeping
+``reserve_max`` mapped while demand is low (``reserve_min=0`` never maps ahead). A
+background round refills before it unmaps: an unmap first waits for the device to finish
+its queued work, which would hold the refill back by up to a step. While the reserve covers
+demand, ``acquire`` and ``release`` make no mapper (hence no driver) call on the calling
+thread: they move page ids between lists under one lock. Surplus pages are unmapped by the
+background thread too, so unmap outliers (3-5 ms on a GPU) never land on the scheduler
+thread. Only when the reserve and the pages waiting to
 be unmapped cannot cover a request does ``acquire`` map on the calling thread.
 
 Fences. ``release(ids, fence=step)`` keeps the pages mapped until ``retire(upto)`` with
@@ -194,8 +200,9 @@ class PageAllocator:
     on its own thread), ``charge_fixed_bytes`` whether the gate is also charged the
     mapper's ``fixed_bytes`` (module docstring),
     ``poll_interval`` how often it re-reads the gate's ``reserve_target`` and
-    reports the reserve while idle. Every method is thread-safe. Raises ``ValueError`` for
-    bounds that do not fit the mapper's page count.
+    reports the reserve while idle, ``demand_window`` how long (seconds) the largest recent
+    ``acquire`` raises the refill target (module docstring). Every method is thread-safe.
+    Raises ``ValueError`` for bounds that do not fit the mapper's page count.
     """
 
     def __init__(
@@ -209,6 +216,7 @@ class PageAllocator:
         poll_interval: float = 0.25,
         refill_batch: int = 8,
         charge_fixed_bytes: bool = True,
+        demand_window: float = 2.0,
     ) -> None:
         num_pages = mapper.num_pages
         if refill_batch < 1:
@@ -223,6 +231,10 @@ class PageAllocator:
         self._num_pages = num_pages
         self._page_bytes = mapper.page_bytes
         self._reserve_min = reserve_min
+        self._demand_window = demand_window
+        self._demand = 0  # the largest acquire since _demand_since (pages)
+        self._demand_since = time.monotonic()
+        self._refill_goal = reserve_min  # _refill_target_locked() before the gate's cap
         self._reserve_max = reserve_max
         self._retry_interval = retry_interval
         self._poll_interval = poll_interval
@@ -303,12 +315,14 @@ class PageAllocator:
             self._check_usable()
             self._refill_paused = False
             reserve = self._reserve
+            if n > self._demand and self._reserve_min:  # a larger burst: the target follows
+                self._note_demand_locked(n)
             if len(reserve) >= n:  # the hot path: no mapper or gate call
                 ids = reserve[-n:]
                 del reserve[-n:]
                 self._move(ids, _RESERVED, _IN_USE)
                 self._reserve_dirty = True
-                if len(reserve) < self._reserve_min:
+                if len(reserve) < self._refill_goal:
                     self._wake.notify()
                 return ids
             from_reserve = reserve[:]
@@ -649,8 +663,21 @@ class PageAllocator:
             return False
         return self._refill_deficit_locked() == 0 or self._refill_blocked_locked()
 
+    def _note_demand_locked(self, n: int) -> None:
+        """Raise the refill goal to twice ``n`` pages (within ``reserve_min`` ..
+        ``reserve_max``) for ``demand_window`` seconds. Caller holds ``_lock``."""
+        self._demand = n
+        self._demand_since = time.monotonic()
+        self._refill_goal = min(max(self._reserve_min, 2 * n), self._reserve_max)
+
     def _refill_target_locked(self) -> int:
-        return 0 if self._refill_paused else min(self._reserve_min, self._reserve_cap)
+        if self._refill_paused:
+            return 0
+        if self._demand and time.monotonic() - self._demand_since > self._demand_window:
+            self._demand //= 2  # demand fell: the goal decays, one halving per window
+            self._demand_since = time.monotonic()
+            self._refill_goal = min(max(self._reserve_min, 2 * self._demand), self._reserve_max)
+        return min(self._refill_goal, self._reserve_cap)
 
     def _refill_deficit_locked(self) -> int:
         return max(self._refill_target_locked() - len(self._reserve), 0)
@@ -907,9 +934,6 @@ class PageAllocator:
             pool_keep = 0 if trim_asked else allowed - self._reserve_cap
             drop_pool = allowed < wanted
             unmaps, maps = self._plan_locked()
-        if unmaps and self._unmap(unmaps):
-            with self._lock:
-                self._unmap_backoff = self._retry_interval
         if maps:
             if self._map(maps, refill=True):
                 with self._lock:
@@ -922,6 +946,9 @@ class PageAllocator:
                     self._retry_at = time.monotonic() + self._backoff
                     self._backoff = min(2 * self._backoff, 20 * self._retry_interval)
                     self._batch_limit = max(len(maps) // 2, 1)
+        if unmaps and self._unmap(unmaps):  # after the refill (module docstring)
+            with self._lock:
+                self._unmap_backoff = self._retry_interval
         if trim_asked or (drop_pool and self._pooled > pool_keep):  # trim: retry releases too
             with self._mapper_lock:
                 self._trim_pool_locked()

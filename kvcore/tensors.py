@@ -463,6 +463,8 @@ class LocalPageMapper:
         self._hpp = cache.geometry.handles_per_page
         self._handle_bytes = cache.geometry.page_bytes
         self._range_vas = tuple(va for va, _ in cache.ranges)
+        self._slot_vas = tuple(enumerate(self._range_vas))  # (slot index, range base)
+        self._check_zero = cache.sanity  # sanity mode: scan the zero page before transitions
         self.pool_max = pool_pages * self._hpp
         self._pages = [_Page(slots=[_ZERO] * len(cache.ranges)) for _ in range(cache.num_pages)]
         self._pool: list[Handle] = []
@@ -470,7 +472,7 @@ class LocalPageMapper:
         self._live_handles = 0  # created and not released: what held_bytes reports
         self._failed: BaseException | None = None
         self._closed = False
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()  # no method re-enters it
 
     # -- PageMapper ----------------------------------------------------------------------
 
@@ -503,38 +505,44 @@ class LocalPageMapper:
 
     def map(self, page_ids: Sequence[int]) -> None:
         with self._lock:
-            self._usable()
+            if self._closed or self._failed is not None:
+                self._usable()
             ids = self._validate("map", page_ids, _UNBACKED_S)
             if not ids:
                 return
-            if self.cache.sanity:
+            if self._check_zero:
                 self._sanity()
             hpp = self._hpp
             handles = self._take_handles(len(ids) * hpp)
-            for i, p in enumerate(ids):
-                self._pages[p].handles = handles[i * hpp : (i + 1) * hpp]
+            if len(ids) == 1:
+                self._pages[ids[0]].handles = handles
+            else:
+                for i, p in enumerate(ids):
+                    self._pages[p].handles = handles[i * hpp : (i + 1) * hpp]
             self._transact(ids, _BACKED, _ZERO, _MAPPED_S, _UNBACKED_S)
 
     def prepare_unmap(self, page_ids: Sequence[int]) -> None:
         with self._lock:
-            self._usable()
+            if self._closed or self._failed is not None:
+                self._usable()
             ids = self._validate("prepare_unmap", page_ids, _MAPPED_S)
             if not ids:
                 return
-            if self.cache.sanity:
+            if self._check_zero:
                 self._sanity()
-            self.backend.synchronize()
+            self.backend.synchronize()  # no kernel in flight still reads these pages
             self._transact(ids, _ZERO, _BACKED, _PREPARED_S, _MAPPED_S)
 
     def commit_unmap(self, page_ids: Sequence[int]) -> None:
         with self._lock:
-            self._usable()
+            if self._closed or self._failed is not None:
+                self._usable()
             ids = self._validate("commit_unmap", page_ids, _PREPARED_S, also_ok=_UNBACKED_S)
             freed: list[Handle] = []
             for p in ids:
                 page = self._pages[p]
                 if page.state is _PREPARED_S:
-                    freed.extend(page.handles)
+                    freed += page.handles
                     page.handles = []
                     page.state = _UNBACKED_S
             errors = self._give_back(freed)
@@ -629,19 +637,20 @@ class LocalPageMapper:
         """Move every slot of ``ids`` to ``target``; on a driver error move the touched
         slots back to ``origin`` and raise (``PageQuarantined`` if a page could not be
         moved back). Any other exception fails the mapper."""
-        touched: list[int] = []
         size = self._handle_bytes
-        vas = self._range_vas
+        slot_vas = self._slot_vas
         move = self._move
+        pages = self._pages
+        started = 0  # ids[:started] were touched
         try:
             for p in ids:
-                touched.append(p)
-                page = self._pages[p]
+                started += 1
+                page = pages[p]
                 off = p * size
-                for i, va in enumerate(vas):
+                for i, va in slot_vas:
                     move(page, i, va + off, size, target)
         except (VmmError, _Broken) as err:
-            bad = self._roll_back(touched, origin, undone_state)
+            bad = self._roll_back(ids[:started], origin, undone_state)
             if undone_state is _UNBACKED_S:
                 # handles of pages back on the zero page return to the pool; a quarantined
                 # page keeps its handles until close
@@ -669,7 +678,7 @@ class LocalPageMapper:
             self._fail(exc)
             raise
         for p in ids:
-            self._pages[p].state = done_state
+            pages[p].state = done_state
 
     def _roll_back(self, touched: list[int], origin: _Slot, state: PageState) -> list[int]:
         bad: list[int] = []
@@ -739,10 +748,12 @@ class LocalPageMapper:
         return taken
 
     def _give_back(self, handles: list[Handle]) -> list[BaseException]:
-        room = max(0, self.pool_max - len(self._pool))
+        pool = self._pool
+        room = self.pool_max - len(pool)
         if len(handles) <= room and not self._pending_release:  # all to the pool
-            self._pool.extend(handles)
+            pool += handles
             return []
+        room = max(room, 0)
         self._pool.extend(handles[:room])
         retry, self._pending_release = self._pending_release, []
         return self._release_all(handles[room:] + retry)
@@ -767,12 +778,16 @@ class LocalPageMapper:
         need: PageState,
         also_ok: PageState | None = None,
     ) -> list[int]:
-        ids = [int(p) for p in page_ids]
         pages, n = self._pages, self._num_pages
-        if len(ids) == 1:  # the most common call: one page id
-            p = ids[0]
-            if 0 <= p < n and pages[p].state in (need, also_ok):
-                return ids
+        if len(page_ids) == 1:  # the most common call: one page id
+            p = int(page_ids[0])
+            if 0 <= p < n:
+                s = pages[p].state
+                if s is need or s is also_ok:
+                    return [p]
+        ids = [int(p) for p in page_ids]
+        if len(ids) == 1:
+            pass  # out of range or in the wrong state: reported below
         elif len(set(ids)) == len(ids) and all(
             0 <= p < n and pages[p].state in (need, also_ok) for p in ids
         ):

@@ -80,6 +80,7 @@ def build_stack(
     refill_batch: int = 8,
     charge_fixed_bytes: bool | None = False,
     retry_interval: float = 0.01,
+    demand_window: float = 2.0,
 ) -> MemStack:
     """A fresh stack. ``device_pages`` (host only): how many page ids fit on the "device"
     beside the zero page; default: all of them. ``pool_pages=0`` makes every commit release
@@ -120,6 +121,7 @@ def build_stack(
         reserve_max=reserve_max,
         retry_interval=retry_interval,
         refill_batch=refill_batch,
+        demand_window=demand_window,
         **charge,
     )
     return MemStack(vmm, geometry, cache, mapper, allocator)

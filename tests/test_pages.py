@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -119,6 +120,35 @@ def test_background_thread_refills_and_the_allocating_thread_makes_no_driver_cal
         assert stack.vmm.calls(thread=me) == 0
         assert st.caller_mapper_calls == 0
         assert st.refill_mapper_calls > 0 and 2 <= st.reserved <= 4
+    finally:
+        stack.close()
+
+
+def test_the_refill_target_follows_a_burst_then_decays(backend: str) -> None:
+    """A burst of 3 raises the refill target to two bursts' worth (6, within reserve_max):
+    the next burst of that size comes from the reserve, with no driver call on the caller.
+    Once ``demand_window`` has passed without such a burst the target falls back."""
+    stack = build_stack(backend, reserve_min=1, reserve_max=8, demand_window=60.0)
+    try:
+        assert stack.pages.flush() and stack.pages.stats().reserved == 1
+        first = stack.pages.acquire(3)  # beyond the reserve: 2 mapped on this thread
+        assert first is not None and stack.pages.stats().caller_mapper_calls == 1
+        assert stack.pages.flush()
+        assert stack.pages.stats().reserved == 6  # two bursts' worth, mapped ahead
+        again = stack.pages.acquire(3)
+        assert again is not None and stack.pages.stats().caller_mapper_calls == 1
+        assert stack.pages.flush() and stack.pages.stats().reserved == 6
+    finally:
+        stack.close()
+    stack = build_stack(backend, reserve_min=1, reserve_max=8, demand_window=0.01)
+    try:
+        assert stack.pages.flush()
+        ids = stack.pages.acquire(3)
+        assert ids is not None and stack.pages.flush()
+        time.sleep(0.05)  # the window passed: the next round halves the demand (target <= 2)
+        assert stack.pages.acquire(1) is not None
+        assert stack.pages.flush()
+        assert stack.pages.stats().reserved < 6  # not refilled to the old target
     finally:
         stack.close()
 
