@@ -142,6 +142,28 @@ def test_a_large_free_checks_every_id_of_a_gapped_page_share(stack: MemStack) ->
     assert ledger.used() == 0 and stack.pages.stats().in_use == 0
 
 
+def test_a_large_free_of_one_contiguous_run_checks_every_id(stack: MemStack) -> None:
+    ledger = stack.ledger(reserved_blocks=(0,))
+    ids = ledger.alloc(11)  # blocks 1..11: the rest of page 0 and two fresh pages
+    assert ids is not None and sorted(ids) == list(range(1, 12))
+    twice = [1, 2, 3, 4, 5, 5, 7, 8, 9, 10, 11]  # spans as many ids as it names: 6 left out
+    with pytest.raises(InvalidTransition, match=r"block 5: not allocated .*named twice"):
+        ledger.free(twice)
+    assert ledger.used() == 12 and all(ledger.is_allocated(b) for b in range(12))
+    ledger.free([6])
+    for bad, shown in ((6, "not allocated"), (0, "it is reserved"), (12, "not allocated")):
+        run = sorted({*range(1, 12), bad} - ({6} if bad != 6 else set()))
+        with pytest.raises(InvalidTransition, match=f"block {bad}: {shown}"):
+            ledger.free(run)  # one run across three pages, one id in it not freeable
+        assert ledger.used() == 11 and all(ledger.is_allocated(b) for b in range(7, 12))
+    ledger.free([b for b in range(1, 12) if b != 6])  # a run with a gap: page by page
+    assert ledger.used() == 1 and stack.pages.stats().in_use == 1
+    again = ledger.alloc(12)  # page 0's free blocks first, then fresh pages
+    assert again is not None and sorted(again)[:3] == [1, 2, 3]
+    ledger.free(sorted(again))  # one run: 1..12
+    assert ledger.used() == 1 and stack.pages.stats().in_use == 1
+
+
 def test_reserved_blocks_keep_their_page_mapped_for_good(stack: MemStack) -> None:
     ledger = stack.ledger(reserved_blocks=(0,))
     assert stack.pages.state(0) is PageState.IN_USE and 0 in stack.mapped_pages()
