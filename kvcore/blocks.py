@@ -323,41 +323,28 @@ class BlockLedger:
 
     def _free_by_page(self, block_ids: Sequence[int], fence: int | None) -> bool:
         """``free`` for many ids at once, page by page: the ids are sorted, each page's share
-        is checked (a contiguous share with one ``bytearray.count``; ids forming one run,
-        the common case of a request's fresh pages, with one count for all) and written (a
-        page that empties, or a contiguous share, with one slice write). Returns ``False``
-        with nothing changed when any id is not freeable: ``_free_each`` then names it."""
+        is checked (a contiguous share with one ``bytearray.count``) and written (a page
+        that empties, or a contiguous share, with one slice write). Returns ``False`` with
+        nothing changed when any id is not freeable: ``_free_each`` then names it."""
         ids = sorted(block_ids)
         n = len(ids)
-        first, last = ids[0], ids[-1]
-        if first < 0 or last >= self._num_blocks:
+        if ids[0] < 0 or ids[-1] >= self._num_blocks or len(set(ids)) != n:
             return False
         state = self._state
         bpp = self._bpp
-        shares: list[tuple[int, int, int]]  # (page, start, end) of ids[start:end]
-        if last - first == n - 1 and ids == list(range(first, last + 1)):  # one run
-            if state.count(_ALLOCATED, first, last + 1) != n:
-                return False
-            shares = [
-                (p, max(p * bpp - first, 0), min((p + 1) * bpp - first, n))
-                for p in range(first // bpp, last // bpp + 1)
-            ]
-        else:
-            if len(set(ids)) != n:
-                return False
-            shares = []
-            i = 0
-            while i < n:
-                a = ids[i]
-                p = a // bpp
-                j = bisect_left(ids, (p + 1) * bpp, i)
-                if ids[j - 1] - a == j - i - 1:  # distinct and sorted: a contiguous run
-                    if state.count(_ALLOCATED, a, a + j - i) != j - i:
-                        return False
-                elif any(state[b] != _ALLOCATED for b in ids[i:j]):
+        shares: list[tuple[int, int, int]] = []  # (page, start, end) of ids[start:end]
+        i = 0
+        while i < n:
+            a = ids[i]
+            p = a // bpp
+            j = bisect_left(ids, (p + 1) * bpp, i)
+            if ids[j - 1] - a == j - i - 1:  # distinct and sorted: a contiguous run
+                if state.count(_ALLOCATED, a, a + j - i) != j - i:
                     return False
-                shares.append((p, i, j))
-                i = j
+            elif any(state[b] != _ALLOCATED for b in ids[i:j]):
+                return False
+            shares.append((p, i, j))
+            i = j
         self._used -= n
         self._free_slots += n
         stacks = self._stacks
