@@ -24,10 +24,12 @@ request waits, or a running one is preempted) instead of failing (invariant 2).
 ``BlockLedger.eviction_order`` (whole pages first, otherwise LRU) and freed to the ledger.
 ``trim(n)`` evicts up to ``n`` cached blocks the same way (memory pressure from outside).
 
-Known gap: ``get_num_free_blocks`` and the following ``get_new_blocks`` are two calls; when
-another process takes the shared physical budget between them and no cached block is left to
-reuse, ``get_new_blocks`` raises ``ElasticMiss`` (a ``ValueError``, as upstream raises
-for an over-ask) after giving back what it took.
+``get_num_free_blocks`` is an estimate (another process sharing the budget can take it before
+the blocks are handed out), so the patched ``allocate_slots`` also calls ``claim_blocks(n)``
+after its check: the blocks are backed (charged to the gate) before any is handed out, and a
+refusal is the same ``None``. ``get_new_blocks`` raises ``ElasticMiss`` (a ``ValueError``,
+as upstream raises for an over-ask) only when a caller skipped the claim and the budget ran
+out under it.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self.ledger = ledger
         self.max_cached_blocks = max_cached_blocks
         self._logical_count = False  # get_num_free_blocks ignores the physical budget
+        self._claimed: list[int] = []  # ledger blocks backed by claim_blocks, not yet handed out
         # Every non-null block starts free in the ledger, none in the queue: rebuild the
         # queue empty (the blocks' links are the queue's, so clear them first).
         for block in self.blocks:
@@ -88,15 +91,41 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
 
     # ---------------------------------------------------------------- allocation
 
+    def claim_blocks(self, num_blocks: int) -> bool:
+        """Back ``num_blocks`` blocks now, before ``allocate_slots`` hands any out (the patched
+        ``KVCacheManager.allocate_slots`` calls this after its free-block check). Parks
+        ledger blocks until ``claimed + cached >= num_blocks``; ``False`` (a physical miss:
+        the request waits or is preempted) when the memory gate refuses. Surplus parked by
+        an earlier claim goes back first, so at most one allocation's worth stays parked."""
+        queued = self.num_cached_free_blocks()
+        if self._claimed:
+            surplus, self._claimed = self._claimed, []
+            self.ledger.free(surplus)
+        need = num_blocks - queued
+        if need <= 0:
+            return True
+        ids = self.ledger.alloc(need)
+        if ids is None:
+            return False
+        self._claimed = ids
+        return True
+
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """``num_blocks`` blocks with ref count 1: ledger blocks first (page-aware), then
         cached blocks from the queue front (LRU) with their hashes evicted. Raises
         ``ValueError`` when fewer are free (as upstream), ``ElasticMiss`` when the ledger
         could not back what it had counted and no cached block is left to reuse."""
         queued = self.free_block_queue.num_free_blocks
-        if num_blocks > self.ledger.available() + queued:
+        if num_blocks > self.ledger.available() + len(self._claimed) + queued:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        ids = self._take_from_ledger(num_blocks)
+        claimed = self._claimed
+        if claimed:
+            ids = claimed[-num_blocks:]
+            del claimed[-num_blocks:]
+            if len(ids) < num_blocks:
+                ids = self._take_from_ledger(num_blocks - len(ids)) + ids
+        else:
+            ids = self._take_from_ledger(num_blocks)
         rest = num_blocks - len(ids)
         if rest > queued:
             if ids:
@@ -241,8 +270,9 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         """Blocks vLLM may allocate now: the ledger's (logical and physical headroom) plus
         the ref-count-0 cached blocks it would evict."""
         if self._logical_count:
-            return int(self.num_gpu_blocks) - self.ledger.used() + self.num_cached_free_blocks()
-        return self.ledger.available() + self.num_cached_free_blocks()
+            free = int(self.num_gpu_blocks) - self.ledger.used() + len(self._claimed)
+            return free + self.num_cached_free_blocks()
+        return self.ledger.available() + len(self._claimed) + self.num_cached_free_blocks()
 
     def num_cached_free_blocks(self) -> int:
         """Ref-count-0 blocks held for the prefix cache (evictable, still backed)."""

@@ -15,10 +15,10 @@ The patch series adds one carrier and three call sites (``patches/vllm/<version>
   same process's buffer, or (a scheduler without a worker in its process, e.g. the engine's
   own scheduler tests) over a buffer it makes itself.
 
-One ``ElasticKVManager`` per KV cache per process holds the whole object chain (backend,
+One ``ElasticKVMemory`` per KV buffer per process holds the whole object chain (backend,
 virtual tensor, mapper, page allocator, ledger), found again by the KV cache's
-``(num_blocks, bytes per block)``; it is closed at interpreter exit or when the pool that
-made it is collected.
+``(num_blocks, bytes per block)`` and closed at interpreter exit; a pool that had to make
+its own closes it when the pool is collected.
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_lock = threading.RLock()  # a pool collected while a manager is made closes its own
-_managers: dict[tuple[int, int], ElasticKVMemory] = {}
+_lock = threading.Lock()
+_managers: dict[tuple[int, int], ElasticKVMemory] = {}  # KV buffers made in this process
+_claimed: set[tuple[int, int]] = set()  # ... whose ledger a block pool took
 
 
 def elastic_settings(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
@@ -81,45 +82,59 @@ def elastic_kv_buffer(kv_cache_config: Any, device: torch.device, nbytes: int) -
 
 
 def elastic_block_pool_class(kv_cache_config: Any) -> Any:
-    """The block pool constructor for ``KVCacheCoordinator``: ``ElasticBlockPool`` bound to
-    this KV cache's ledger and cache bound (same arguments as vLLM's ``BlockPool``)."""
+    """The block pool constructor for ``KVCacheCoordinator``: ``ElasticBlockPool`` (same
+    arguments as vLLM's ``BlockPool``) over the ledger of this process's KV buffer for the
+    same cache, or, where no worker allocated one here (a scheduler-only process, vLLM's
+    own scheduler tests), over kvcore memory of its own that lives as long as the pool."""
     from kvcore.adapters.vllm.pool import ElasticBlockPool
 
-    created = _key(kv_cache_config) not in _managers
-    manager = manager_for(kv_cache_config)
+    key = _key(kv_cache_config)
+    with _lock:
+        manager = _managers.get(key)
+        shared = manager is not None and key not in _claimed
+        if shared:
+            _claimed.add(key)
+    if not shared:
+        manager = _make(kv_cache_config, 0)
+    assert manager is not None
     bound = manager.config.max_cached_tokens
-    block_size = _block_size(kv_cache_config)
-    max_cached = None if bound is None else max(bound // block_size, 0)
+    max_cached = None if bound is None else max(bound // _block_size(kv_cache_config), 0)
 
     def build(*args: Any, **kwargs: Any) -> ElasticBlockPool:
         pool = ElasticBlockPool(
             *args, ledger=manager.ledger, max_cached_blocks=max_cached, **kwargs
         )
-        if created:  # a scheduler-only process: the pool's lifetime is the cache's
-            weakref.finalize(pool, _close, _key(kv_cache_config))
+        if not shared:  # the pool's own memory goes when the pool does
+            weakref.finalize(pool, manager.close)
         return pool
 
     return functools.wraps(ElasticBlockPool)(build)
 
 
 def manager_for(kv_cache_config: Any, *, device_index: int = 0) -> ElasticKVMemory:
-    """This process's manager for the KV cache ``kv_cache_config`` describes (made on first
-    use from ``kv_cache_config.kvcore``)."""
+    """This process's kvcore memory for the KV buffer ``kv_cache_config`` describes, made on
+    first use from ``kv_cache_config.kvcore`` (the worker side; the block pool built in the
+    same process takes its ledger)."""
     key = _key(kv_cache_config)
     with _lock:
         manager = _managers.get(key)
         if manager is None:
-            config = ElasticConfig.parse(dict(kv_cache_config.kvcore or {}))
-            manager = ElasticKVMemory(
-                config, num_blocks=key[0], block_bytes=key[1], device_index=device_index
-            )
-            _managers[key] = manager
+            manager = _managers[key] = _make(kv_cache_config, device_index)
     return manager
+
+
+def _make(kv_cache_config: Any, device_index: int) -> ElasticKVMemory:
+    num_blocks, block_bytes = _key(kv_cache_config)
+    config = ElasticConfig.parse(dict(kv_cache_config.kvcore or {}))
+    return ElasticKVMemory(
+        config, num_blocks=num_blocks, block_bytes=block_bytes, device_index=device_index
+    )
 
 
 def _close(key: tuple[int, int]) -> None:
     with _lock:
         manager = _managers.pop(key, None)
+        _claimed.discard(key)
     if manager is not None:
         manager.close()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -279,3 +280,63 @@ def test_unsupported_configuration_is_named_at_start_up() -> None:
             elastic_settings(config, kv)
     finally:
         object.__setattr__(config, "parallel_config", parallel)
+
+
+def _serve_in_child(ledger_dir: str, budget: int, name: str, queue: Any, barrier: Any) -> None:
+    """Child process: a real scheduler on the shared per-GPU ledger; reports what it saw."""
+    from kvcore.gpu_ledger import GpuLedger
+    from kvcore.vmm import open_backend
+
+    settings = _settings(gpu_ledger=True, ledger_dir=ledger_dir)
+    settings["backend_options"]["device_bytes"] = 64 << 20
+    scheduler = make_scheduler(16 * BPP, max_num_seqs=8, kvcore=settings)
+    pool = pool_of(scheduler)
+    uuid = open_backend("host", 0, granularity=GRAN, device_bytes=64 << 20).device_uuid()
+    ledger = GpuLedger.open(uuid, directory=Path(ledger_dir))
+    reqs = [make_request(f"{name}{i}", [i + 1] * 5 * BLOCK, max_tokens=30) for i in range(6)]
+    for r in reqs:
+        scheduler.add_request(r)
+    barrier.wait()  # both schedulers run at once
+    peak_total = 0
+    steps = 0
+    while scheduler.has_unfinished_requests() and steps < 3000:
+        step(scheduler)
+        steps += 1
+        peak_total = max(peak_total, ledger.snapshot().total_mapped)
+    finished = sum(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in reqs)
+    queue.put((name, finished, len(reqs), peak_total, pool.ledger.pages.stats().misses))
+    barrier.wait()  # keep the record until the other one is done too
+    del scheduler, pool
+    gc.collect()
+
+
+def test_two_schedulers_in_two_processes_share_one_budget(tmp_path: Path) -> None:
+    import multiprocessing as mp
+
+    from kvcore.gpu_ledger import GpuLedger
+    from kvcore.vmm import open_backend
+
+    backend = open_backend("host", 0, granularity=GRAN, device_bytes=64 << 20)
+    budget = 6 * GRAN  # both instances' KV together: 6 pages (48 blocks)
+    ledger = GpuLedger.open(backend.device_uuid(), device_total=64 << 20, directory=tmp_path)
+    ledger.set_budget(budget)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    barrier = ctx.Barrier(2)
+    procs = [
+        ctx.Process(target=_serve_in_child, args=(str(tmp_path), budget, n, queue, barrier))
+        for n in ("a", "b")
+    ]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=240) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for name, finished, total, peak, _misses in results:
+        assert finished == total, name  # every request finished in both engines
+        assert peak <= budget  # the shared budget held at every step either one saw
+    assert sum(m for *_, m in results) > 0  # the budget, not the capacity, was binding
+    assert ledger.snapshot().records == ()  # both records gone at shutdown
+    ledger.close()
+    backend.close()
