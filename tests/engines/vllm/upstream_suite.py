@@ -127,6 +127,7 @@ def prepare(version: str, work: Path, mode: str) -> Path:
 
 
 def run(version: str, mode: str, work: Path, out: Path, pytest_args: list[str]) -> int:
+    out = out.resolve()  # pytest runs in the extracted tree
     tree = prepare(version, work, mode)
     junit = out.with_suffix(".xml")
     env = dict(os.environ)
