@@ -296,9 +296,9 @@ class _StepReleaseGate:
     allocator's background thread while the scheduler thread may already want a page again
     in the same step (a preemption frees blocks, then the scheduler allocates). Under a full
     budget that race makes ``ElasticBlockPool.get_new_blocks`` count a queued page as free,
-    miss it once the background thread has taken it, and raise ``ElasticMiss`` out of
-    ``Scheduler.schedule`` (seen with this demo's default workload when its pools were gated
-    by ``LedgerGate`` directly); it also makes the run depend on thread timing. Here every
+    miss it once the background thread has taken it (before patch 0004's ``claim_blocks``
+    this raised ``ElasticMiss`` out of ``Scheduler.schedule``; now the request waits); it
+    also makes the run depend on thread timing. Here every
     page freed in a step waits in the reserve (mapped, charged to the ledger), is reused
     synchronously within the step, and ``trim`` + ``flush`` at the step's end return it to
     the ledger: between steps an instance holds exactly the pages of its blocks in use."""
@@ -400,46 +400,39 @@ class _Instance:
         register_all_kvcache_specs(config)
         self.memory: Any = None
         self._ledger: Any = None
-
-        def build() -> Any:
-            return Scheduler(
-                vllm_config=config,
-                kv_cache_config=self.kv_config,
-                block_size=BLOCK_TOKENS,
-                log_stats=True,
-                structured_output_manager=StructuredOutputManager(config),
-            )
-
         if self.elastic:
             from kvcore.adapters.vllm import elastic_settings, manager_for
 
             self.kv_config.kvcore = elastic_settings(config, self.kv_config)
-            if spec.step_release:
-                self.scheduler = self._build_step_release(build)
-            else:
-                self.scheduler = build()
-            self.memory = manager_for(self.kv_config)
-        else:
-            self.scheduler = build()
+            # As in a real engine core: the KV memory exists (the worker allocated its
+            # buffer) before the scheduler's block pool is built, which takes its ledger.
+            gate = self._step_release_gate() if spec.step_release else None
+            self.memory = manager_for(self.kv_config, gate=gate)
+        self.scheduler = Scheduler(
+            vllm_config=config,
+            kv_cache_config=self.kv_config,
+            block_size=BLOCK_TOKENS,
+            log_stats=True,
+            structured_output_manager=StructuredOutputManager(config),
+        )
+        if self.memory is not None:
+            pool = self.scheduler.kv_cache_manager.block_pool
+            if pool.ledger is not self.memory.ledger:
+                raise RuntimeError(
+                    "colocate demo: the elastic block pool did not take this process's KV "
+                    "memory (kvcore.adapters.vllm.runtime no longer shares it as expected)"
+                )
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(BLOCK_TOKENS, sha256)
         self.executor = _StandInExecutor(self.scheduler)
         self.records: dict[str, RequestRecord] = {}
 
-    def _build_step_release(self, build: Callable[[], Any]) -> Any:
-        """Build the scheduler with its page allocator gated by ``_StepReleaseGate`` over
-        this instance's record in the shared ledger.
-
-        The adapter's ``gpu_ledger`` option registers a plain ``LedgerGate`` (what
-        ``--async-release`` runs); to wrap it, the gate the adapter builds for "no limit, no
-        ledger" is replaced by the wrapped one while the scheduler is built, and the ledger
-        is checked to have been charged for the null block's page, so a changed adapter
-        fails loudly here instead of running ungated."""
-        from unittest import mock
-
+    def _step_release_gate(self) -> _StepReleaseGate:
+        """``_StepReleaseGate`` over this instance's record in the shared ledger, handed to
+        the adapter through ``manager_for(..., gate=)`` (the adapter's ``gpu_ledger`` option
+        registers a plain ``LedgerGate``: what ``--async-release`` runs)."""
         import vllm
 
-        from kvcore.adapters.vllm import memory
         from kvcore.gpu_ledger import GpuLedger, LedgerGate
 
         self._ledger = GpuLedger.open(self.spec.device_uuid, directory=Path(self.spec.ledger_dir))
@@ -450,14 +443,7 @@ class _Instance:
             engine_version=str(vllm.__version__),
             model="llama-3-8b-shaped",
         )
-        with mock.patch.object(memory, "UnlimitedGate", lambda: _StepReleaseGate(gate)):
-            scheduler = build()
-        if gate.record().mapped <= 0:
-            raise RuntimeError(
-                "colocate demo: the elastic block pool is not charging the shared ledger "
-                "(kvcore.adapters.vllm.memory no longer builds its gate as this demo expects)"
-            )
-        return scheduler
+        return _StepReleaseGate(gate)
 
     def step(self, t: int, arrivals: Sequence[tuple[str, int, int]]) -> StepSample:
         """One round: add ``arrivals`` (request id, prompt tokens, output tokens), schedule,

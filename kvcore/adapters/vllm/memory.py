@@ -5,8 +5,9 @@
 backend, a ``VirtualKVCache`` whose rows are vLLM blocks (block-outermost: block ``b`` of
 every layer is the ``block_bytes`` row ``b``), its ``LocalPageMapper``, a ``PageAllocator``
 gated by ``limit_bytes`` (or, with ``gpu_ledger``, by this instance's record in the per-GPU
-ledger, which is how two engines share one GPU's budget) and the ``BlockLedger`` the elastic
-block pool draws from. Block 0 is vLLM's null block: reserved, its page stays backed.
+ledger, which is how two engines share one GPU's budget; or by a ``MemoryGate`` the embedding
+process passes as ``gate=``) and the ``BlockLedger`` the elastic block pool draws from. Block 0
+is vLLM's null block: reserved, its page stays backed.
 
 (SGLang's adapter has the same chain for its pools; the two should move into one
 engine-agnostic module of kvcore's core once both settle.)
@@ -50,6 +51,12 @@ class ElasticKVMemory:
     reserve the range, ``GeometryError`` when a page cannot hold whole blocks (its hint names
     sizes that work), ``PoolFailed`` when the null block's page cannot be mapped; nothing is
     left reserved or mapped on failure.
+
+    ``gate``: the memory gate to charge instead of the one ``config`` describes
+    (``limit_bytes`` / ``gpu_ledger``), for a process that owns the budget policy itself
+    (a harness running several engines, a custom release policy through ``reserve_target``).
+    The memory takes it over: ``close()`` closes it (if it has ``close``), also on a failed
+    start.
     """
 
     def __init__(
@@ -59,6 +66,7 @@ class ElasticKVMemory:
         num_blocks: int,
         block_bytes: int,
         device_index: int = 0,
+        gate: MemoryGate | None = None,
     ) -> None:
         self.config = config
         self.cache: VirtualKVCache | None = None
@@ -66,6 +74,8 @@ class ElasticKVMemory:
         self.pages: PageAllocator | None = None
         self.ledger: BlockLedger
         self._closed = False
+        if gate is not None:
+            self.gate = gate  # set first: a failed start below still closes it
         self.backend = open_backend(config.backend, device_index, **dict(config.backend_options))
         try:
             gran = self.backend.granularity()
@@ -80,7 +90,8 @@ class ElasticKVMemory:
             )
             self.cache = VirtualKVCache(self.backend, self.geometry, sanity=config.sanity)
             self.mapper = LocalPageMapper(self.cache)
-            self.gate = self._gate(config, num_blocks * block_bytes)
+            if gate is None:
+                self.gate = self._gate(config, num_blocks * block_bytes)
             pages = self.geometry.num_pages
             self.pages = PageAllocator(
                 self.mapper,

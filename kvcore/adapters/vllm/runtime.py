@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 
+from kvcore.accounting import MemoryGate
 from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.vllm.checks import check_vllm_config
 from kvcore.adapters.vllm.memory import ElasticKVMemory, settings_dict
-from kvcore.errors import UnsupportedConfiguration
+from kvcore.errors import KvcoreError, UnsupportedConfiguration
 
 __all__ = [
     "elastic_block_pool_class",
@@ -111,23 +112,41 @@ def elastic_block_pool_class(kv_cache_config: Any) -> Any:
     return functools.wraps(ElasticBlockPool)(build)
 
 
-def manager_for(kv_cache_config: Any, *, device_index: int = 0) -> ElasticKVMemory:
+def manager_for(
+    kv_cache_config: Any, *, device_index: int = 0, gate: MemoryGate | None = None
+) -> ElasticKVMemory:
     """This process's kvcore memory for the KV buffer ``kv_cache_config`` describes, made on
-    first use from ``kv_cache_config.kvcore`` (the worker side; the block pool built in the
-    same process takes its ledger)."""
+    first use from ``kv_cache_config.kvcore`` (the worker side; a block pool built later in
+    the same process takes its ledger, so call this before building the scheduler).
+
+    ``gate``: a ``MemoryGate`` to charge instead of the one the settings describe (see
+    ``ElasticKVMemory``); the memory takes it over. Raises ``KvcoreError`` when ``gate`` is
+    given but the memory already exists (its gate cannot change any more)."""
     key = _key(kv_cache_config)
     with _lock:
         manager = _managers.get(key)
         if manager is None:
-            manager = _managers[key] = _make(kv_cache_config, device_index)
+            manager = _managers[key] = _make(kv_cache_config, device_index, gate)
+        elif gate is not None and manager.gate is not gate:
+            raise KvcoreError(
+                f"elastic KV: the memory of {key[0]} blocks of {key[1]} bytes already exists "
+                "with its own memory gate",
+                hint="pass gate= on the first manager_for call, before the scheduler is built",
+            )
     return manager
 
 
-def _make(kv_cache_config: Any, device_index: int) -> ElasticKVMemory:
+def _make(
+    kv_cache_config: Any, device_index: int, gate: MemoryGate | None = None
+) -> ElasticKVMemory:
     num_blocks, block_bytes = _key(kv_cache_config)
     config = ElasticConfig.parse(dict(kv_cache_config.kvcore or {}))
     return ElasticKVMemory(
-        config, num_blocks=num_blocks, block_bytes=block_bytes, device_index=device_index
+        config,
+        num_blocks=num_blocks,
+        block_bytes=block_bytes,
+        device_index=device_index,
+        gate=gate,
     )
 
 
