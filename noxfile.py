@@ -47,6 +47,8 @@ def tests(session: nox.Session) -> None:
         session.notify("patches-check")
         for engine_session in SGLANG_TEST_SESSIONS:  # the real SGLang classes, three ways
             session.notify(engine_session)
+        for engine_session in VLLM_TEST_SESSIONS:  # vLLM's tests/v1/core, three ways (~7 min)
+            session.notify(engine_session)
 
 
 def _engine_keys() -> list[str]:
