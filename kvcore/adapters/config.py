@@ -10,9 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from kvcore.accounting import BudgetGate, MemoryGate, UnlimitedGate
 from kvcore.errors import UnsupportedConfiguration
+
+if TYPE_CHECKING:
+    from kvcore.vmm.base import VmmBackend
 
 __all__ = ["ElasticConfig"]
 
@@ -41,6 +46,26 @@ class ElasticConfig:
     max_cached_tokens: int | None = None
     page_bytes: int | None = None
     sanity: bool = False
+
+    def make_gate(
+        self, backend: VmmBackend, *, name: str, engine: str, engine_version: str
+    ) -> MemoryGate:
+        """The memory gate these options ask for: a ``LedgerGate`` registering instance
+        ``name`` in the per-GPU ledger of ``backend``'s device when ``gpu_ledger`` is set
+        (``limit_bytes`` is its instance limit), else a ``BudgetGate`` of ``limit_bytes``, else
+        an ``UnlimitedGate``. Raises ``LedgerError`` when the ledger cannot be opened."""
+        if self.gpu_ledger:
+            from kvcore.gpu_ledger import LedgerGate
+
+            return LedgerGate.from_backend(
+                backend,
+                name=name,
+                engine=engine,
+                engine_version=engine_version,
+                limit=self.limit_bytes or 0,
+                directory=Path(self.ledger_dir) if self.ledger_dir else None,
+            )
+        return BudgetGate(self.limit_bytes) if self.limit_bytes is not None else UnlimitedGate()
 
     @classmethod
     def parse(cls, value: Mapping[str, Any] | str | None) -> ElasticConfig:

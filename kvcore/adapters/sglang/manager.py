@@ -16,12 +16,11 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvcore.accounting import BudgetGate, MemoryGate, UnlimitedGate
+from kvcore.accounting import MemoryGate
 from kvcore.blocks import BlockLedger
 from kvcore.geometry import KVGeometry
 from kvcore.pages import PageAllocator, PageStats
@@ -123,21 +122,11 @@ class ElasticKVManager:
         return view.reshape(-1, *row_shape)[: self.num_rows]
 
     def _gate(self, config: ElasticConfig, name: str) -> MemoryGate:
-        if config.gpu_ledger:
-            import sglang
+        import sglang
 
-            from kvcore.gpu_ledger import LedgerGate
-
-            return LedgerGate.from_backend(
-                self.backend,
-                name=name,
-                engine="sglang",
-                engine_version=str(sglang.__version__),
-                limit=config.limit_bytes or 0,
-                directory=Path(config.ledger_dir) if config.ledger_dir else None,
-            )
-        limit = config.limit_bytes
-        return BudgetGate(limit) if limit is not None else UnlimitedGate()
+        return config.make_gate(
+            self.backend, name=name, engine="sglang", engine_version=str(sglang.__version__)
+        )
 
     def stats(self) -> PageStats:
         """The page allocator's snapshot (mapped, in use, reserved, misses, ...)."""

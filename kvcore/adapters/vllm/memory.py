@@ -19,12 +19,11 @@ import logging
 import math
 import os
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvcore.accounting import BudgetGate, MemoryGate, UnlimitedGate
+from kvcore.accounting import MemoryGate
 from kvcore.adapters.config import ElasticConfig
 from kvcore.blocks import BlockLedger
 from kvcore.geometry import KVGeometry
@@ -115,21 +114,14 @@ class ElasticKVMemory:
         )
 
     def _gate(self, config: ElasticConfig, capacity: int) -> MemoryGate:
-        if config.gpu_ledger:
-            import vllm
+        import vllm
 
-            from kvcore.gpu_ledger import LedgerGate
-
-            return LedgerGate.from_backend(
-                self.backend,
-                name=f"vllm-{os.getpid()}-{capacity}",
-                engine="vllm",
-                engine_version=str(vllm.__version__),
-                limit=config.limit_bytes or 0,
-                directory=Path(config.ledger_dir) if config.ledger_dir else None,
-            )
-        limit = config.limit_bytes
-        return BudgetGate(limit) if limit is not None else UnlimitedGate()
+        return config.make_gate(
+            self.backend,
+            name=f"vllm-{os.getpid()}-{capacity}",
+            engine="vllm",
+            engine_version=str(vllm.__version__),
+        )
 
     def buffer(self) -> torch.Tensor:
         """The flat ``int8`` tensor of ``num_blocks * block_bytes`` bytes at a stable address
