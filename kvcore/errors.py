@@ -156,6 +156,11 @@ class TransactionRefused(ChannelError):
     of an aborted unmap, a map of a page already mapped). Nothing was changed."""
 
 
+class AgreementError(KvcoreError):
+    """A collective agreeing allocation outcomes across an engine's ranks failed (a peer
+    died or the process group was torn down); ``kvcore.agreement``."""
+
+
 class UnsupportedConfiguration(KvcoreError):
     """Elastic KV was asked for on an engine configuration kvcore does not support; raised
     at engine start-up, naming the unsupported part."""
