@@ -402,7 +402,10 @@ class _Instance:
         self._ledger: Any = None
         if self.elastic:
             from kvcore.adapters.vllm import elastic_settings, manager_for
+            from kvcore.gpu_ledger import GpuLedger
 
+            # the shared ledger: where this instance's held bytes are read (_memory)
+            self._ledger = GpuLedger.open(spec.device_uuid, directory=Path(spec.ledger_dir))
             self.kv_config.kvcore = elastic_settings(config, self.kv_config)
             # As in a real engine core: the KV memory exists (the worker allocated its
             # buffer) before the scheduler's block pool is built, which takes its ledger.
@@ -433,9 +436,8 @@ class _Instance:
         registers a plain ``LedgerGate``: what ``--async-release`` runs)."""
         import vllm
 
-        from kvcore.gpu_ledger import GpuLedger, LedgerGate
+        from kvcore.gpu_ledger import LedgerGate
 
-        self._ledger = GpuLedger.open(self.spec.device_uuid, directory=Path(self.spec.ledger_dir))
         gate = LedgerGate(
             self._ledger,
             name=f"demo-{self.spec.index}",
@@ -490,10 +492,16 @@ class _Instance:
                 pages.trim()  # the end of the step: idle pages go back to the ledger ...
             pages.flush()  # ... before the next instance steps
             used = (self.memory.ledger.used() - 1) * BLOCK_BYTES  # less the null block
-            return pages.stats().charged_bytes, used
+            return self._held_in_ledger(), used
         pool = self.scheduler.kv_cache_manager.block_pool
         used = (pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()) * BLOCK_BYTES
         return self.spec.num_blocks * BLOCK_BYTES, used
+
+    def _held_in_ledger(self) -> int:
+        """The bytes the shared ledger charges this process now: its record's ``mapped``
+        (one record: ``demo-<i>`` with the step-release gate, the adapter's otherwise)."""
+        pid = os.getpid()
+        return sum(r.mapped for r in self._ledger.snapshot().records if r.pid == pid)
 
     def close(self) -> None:
         if self.memory is not None:
