@@ -151,6 +151,15 @@ class WorkerLost(ChannelError):
         super().__init__(message, hint=hint)
 
 
+class WorkersMissing(ChannelError):
+    """Workers of a TP x PP engine never opened their channel sockets within the start-up
+    timeout. ``ranks`` names them (global rank ``pp_rank * tp_size + tp_rank``)."""
+
+    def __init__(self, message: str, *, ranks: Sequence[int], hint: str = "") -> None:
+        self.ranks = tuple(ranks)
+        super().__init__(message, hint=hint)
+
+
 class TransactionRefused(ChannelError):
     """A channel transaction was refused by its state (a prepare after its abort, a commit
     of an aborted unmap, a map of a page already mapped). Nothing was changed."""
