@@ -417,8 +417,11 @@ class FamilyLayout:
     ``groups`` in the engine's group order (their index is the group id). ``num_blocks`` is
     the engine's block (or slot) count; ``granularity`` the backend's. ``pad``,
     ``max_page_bytes``, ``stride_alignment`` and ``page_bytes`` go to ``plan_rows``.
+    ``row_bytes``: the engine's own row when it is wider than the groups' (vLLM rounds its
+    block stride up to every spec's ``block_stride_alignment``); ``plan_rows`` starts from it.
     Raises ``UnsupportedConfiguration`` for a layer in two groups or a per-layer layout with
-    mixed cell strides; ``GeometryError`` when no page can hold a row.
+    mixed cell strides; ``GeometryError`` when no page can hold a row or ``row_bytes`` is
+    narrower than the groups' row.
     """
 
     def __init__(
@@ -432,6 +435,7 @@ class FamilyLayout:
         max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
         stride_alignment: int = DEFAULT_STRIDE_ALIGNMENT,
         page_bytes: int | None = None,
+        row_bytes: int | None = None,
     ) -> None:
         self.groups = tuple(groups)
         if not self.groups:
@@ -459,6 +463,13 @@ class FamilyLayout:
             )
         rows = [g.row_offsets() for g in self.groups]
         row = max(strides) if layout == "per-layer" else max(used for used, _ in rows)
+        if row_bytes is not None:
+            if row_bytes < row:
+                raise GeometryError(
+                    f"row_bytes={row_bytes} is narrower than the groups' {row}-byte row",
+                    hint=f"pass row_bytes >= {row} (the engine's block stride)",
+                )
+            row = row_bytes
         align = math.lcm(stride_alignment, *(g.alignment for g in self.groups))
         self.plan = plan_rows(
             row,

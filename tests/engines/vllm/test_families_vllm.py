@@ -12,7 +12,7 @@ tensor placement from vLLM's real planner (``get_kv_cache_groups``,
   (written through one, read through the other), on the host backend's real mappings;
 * a padded kvcore row stride reaches vLLM through the spec's ``block_stride_alignment``.
 
-``kvcore_groups`` is the spec translation the vLLM adapter should adopt.
+The translation itself is the adapter's (``kvcore.adapters.vllm.groups``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from kvcore.errors import UnsupportedConfiguration
-from kvcore.families import CacheGroup, FamilyLayout, attention_group, mamba_group, mla_group
+from kvcore.families import FamilyLayout
 from tests.family_stack import HOST_GRANULARITY, MiB, Stack, open_stack, pattern
 
 iface = pytest.importorskip(
@@ -36,69 +36,10 @@ iface = pytest.importorskip(
 planning = pytest.importorskip("vllm.v1.core.kv_cache_planning")
 mamba_utils = pytest.importorskip("vllm.model_executor.layers.mamba.mamba_utils")
 
+from kvcore.adapters.vllm.groups import kvcore_groups  # noqa: E402  (imports vLLM)
+
 BF16 = torch.bfloat16
 LAYOUT = "BLHNC"  # block-outermost: one block id is one row of every layer's page
-
-
-# -- the translation the adapter adopts ------------------------------------------------------
-
-
-def kvcore_groups(kv_cache_groups: Sequence[Any]) -> list[CacheGroup]:
-    """kvcore ``CacheGroup`` s for vLLM's ``KVCacheGroupSpec`` list, in vLLM's group order.
-    Raises ``UnsupportedConfiguration`` naming a spec class kvcore has no layout for."""
-    return [_group(tuple(g.layer_names), g.kv_cache_spec) for g in kv_cache_groups]
-
-
-def _group(layers: tuple[str, ...], spec: Any) -> CacheGroup:
-    if isinstance(spec, iface.UniformTypeKVCacheSpecs):
-        inner = set(spec.kv_cache_specs.values())
-        if len(inner) != 1:
-            raise UnsupportedConfiguration(
-                f"vLLM KV cache group {layers} packs layers of {len(inner)} different specs",
-                hint="elastic KV supports groups whose layers share one spec",
-            )
-        spec = inner.pop()
-    kind = type(spec)
-    if kind is iface.MambaSpec:
-        roles = ("conv", "ssm") if len(spec.shapes) == 2 else ()
-        roles = roles or tuple(f"state{i}" for i in range(len(spec.shapes)))
-        states = zip(roles, spec.shapes, spec.dtypes, strict=True)
-        return mamba_group(
-            layers, states=states, block_size=spec.block_size, cell_stride=spec.page_size_bytes
-        )
-    if kind not in (iface.FullAttentionSpec, iface.SlidingWindowSpec, iface.MLAAttentionSpec):
-        raise UnsupportedConfiguration(
-            f"vLLM KV cache spec {kind.__name__} has no kvcore layout",
-            hint="elastic KV supports FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec "
-            "and MambaSpec groups",
-        )
-    if (
-        spec.kv_quant_mode != iface.KVQuantMode.NONE
-        or spec.num_head_slots is not None
-        or spec.state_content_bytes is not None
-        or spec.tokens_per_state != 1
-    ):
-        raise UnsupportedConfiguration(
-            f"vLLM {kind.__name__} with a packed or quantized page (kv_quant_mode="
-            f"{spec.kv_quant_mode.name}, tokens_per_state={spec.tokens_per_state})",
-            hint="elastic KV supports dense K/V and latent pages",
-        )
-    common = {"block_size": spec.block_size, "dtype": spec.dtype}
-    if kind is iface.MLAAttentionSpec:
-        assert spec.num_kv_heads == 1, spec
-        return mla_group(
-            layers, latent_dim=spec.head_size, cell_stride=spec.page_size_bytes, **common
-        )
-    return attention_group(
-        layers,
-        num_kv_heads=spec.num_kv_heads,
-        head_size=spec.head_size,
-        head_size_v=spec.head_size_v,
-        # a FullAttentionSpec with a window (hybrid manager off) keeps every block
-        sliding_window=spec.sliding_window if kind is iface.SlidingWindowSpec else None,
-        cell_stride=spec.page_size_bytes,
-        **common,
-    )
 
 
 # -- vLLM's planner --------------------------------------------------------------------------
