@@ -1,0 +1,543 @@
+"""Elastic KV for vLLM with tensor and pipeline parallelism (TP x PP > 1).
+
+With TP x PP > 1 vLLM's ``MultiprocExecutor`` runs one worker process per rank and the
+engine core process runs the scheduler. Each worker owns its KV buffer (a kvcore virtual
+tensor on its GPU); the scheduler's block pool decides every page transition. kvcore's
+worker channel (``kvcore.channel``, docs/channel.md) carries each transition to every rank
+as one transaction, so a page is mapped on every worker or on none. No extra upstream seam is
+needed: the three call sites of the series are enough.
+
+* Engine core, ``elastic_settings`` (before any worker allocates): ``channel_settings``
+  creates this engine's channel directory (one per engine core process) and returns the
+  ``"parallel"`` entry of ``KVCacheConfig.kvcore``: the directory, ``world_size`` and
+  ``tensor_parallel_size``. The settings travel to the workers inside ``KVCacheConfig``.
+* Worker, ``elastic_kv_buffer`` (``allocate_kv_cache``): ``worker_buffer`` builds this
+  rank's ``VirtualKVCache`` + ``LocalPageMapper`` (no page allocator, no gate: the engine
+  decides) and starts a ``WorkerListener`` on it, then returns the buffer. The rank is
+  vLLM's own: ``pp_rank * tp_size + tp_rank`` from its model-parallel groups.
+* Engine core, ``elastic_block_pool_class`` (the scheduler): ``engine_memory`` waits for
+  every rank's socket (``WorkersMissing`` naming the ranks that never came), connects a
+  ``ChannelCoordinator`` (a ``PageMapper``) and builds the ``PageAllocator`` and
+  ``BlockLedger`` on it, exactly as for one local GPU.
+
+Pages. Every rank must cover the same blocks per page id: a page is ``page_bytes`` of
+``--kvcore-config`` or ``lcm(bytes per block, granularity)`` on each rank, and ranks must hold
+the same bytes per block (TP ranks always do; PP stages do when the layers split evenly).
+Uneven PP stages are refused at start-up.
+
+Memory accounting (decided here). Each rank runs on its own GPU, so ``limit_bytes`` is a
+per-GPU budget: the gate is charged what the fullest rank holds
+(``ChannelCoordinator.held_bytes``: pages not unmapped x the largest rank's page bytes, plus
+its zero page), not the sum over ranks. Ranks sharing one GPU (tests, the one-GPU
+benchmark) therefore use ``world_size`` times what the gate sees. The per-GPU ledger
+(``gpu_ledger``) would need one record per rank on that rank's GPU, charged by the engine;
+the handshake does not carry the workers' GPU ids yet, so ``gpu_ledger`` is refused with
+TP x PP > 1.
+
+Failure. A worker that dies or breaks its connection fails the channel: the next page
+transition raises ``PoolFailed`` out of the scheduler (fail-stop, never a page mapped on some
+ranks only); see docs/channel.md for every outcome.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvcore.accounting import BudgetGate, MemoryGate, UnlimitedGate
+from kvcore.adapters.config import ElasticConfig
+from kvcore.adapters.vllm.groups import engine_row_bytes, family_layout
+from kvcore.channel import ChannelCoordinator, ChannelDirectory, WorkerListener, socket_path
+from kvcore.errors import ChannelError, PoolFailed, UnsupportedConfiguration, WorkersMissing
+from kvcore.geometry import KVGeometry
+from kvcore.pages import PageAllocator, PageStats
+from kvcore.tensors import LocalPageMapper, VirtualKVCache
+from kvcore.vmm import open_backend
+
+if TYPE_CHECKING:
+    from kvcore.adapters.vllm.fence import FencedBlockLedger
+
+__all__ = [
+    "PARALLEL_KEY",
+    "ChannelKVMemory",
+    "ParallelSettings",
+    "WorkerKVMemory",
+    "channel_settings",
+    "engine_memory",
+    "parallel_settings",
+    "worker_buffer",
+    "worker_memory",
+]
+
+log = logging.getLogger(__name__)
+
+PARALLEL_KEY = "parallel"
+"""The entry of ``KVCacheConfig.kvcore`` that marks a TP x PP > 1 engine."""
+CONNECT_TIMEOUT = 60.0
+"""Seconds the engine waits for every rank's channel socket once the workers allocated."""
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    """The ``"parallel"`` entry of ``KVCacheConfig.kvcore``."""
+
+    channel_dir: str
+    world_size: int
+    tensor_parallel_size: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "channel_dir": self.channel_dir,
+            "world_size": self.world_size,
+            "tensor_parallel_size": self.tensor_parallel_size,
+        }
+
+
+def parallel_settings(settings: Mapping[str, Any] | None) -> ParallelSettings | None:
+    """The ``ParallelSettings`` in ``KVCacheConfig.kvcore``, or ``None`` for one GPU worker.
+    Raises ``UnsupportedConfiguration`` when the entry is malformed."""
+    entry = (settings or {}).get(PARALLEL_KEY)
+    if entry is None:
+        return None
+    try:
+        parsed = ParallelSettings(
+            channel_dir=str(entry["channel_dir"]),
+            world_size=int(entry["world_size"]),
+            tensor_parallel_size=int(entry["tensor_parallel_size"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UnsupportedConfiguration(
+            f"KVCacheConfig.kvcore[{PARALLEL_KEY!r}] is malformed: {entry!r} ({exc})",
+            hint="the engine core writes this entry; do not set it by hand",
+        ) from None
+    tp = parsed.tensor_parallel_size
+    if parsed.world_size < 2 or tp < 1 or parsed.world_size % tp:
+        raise UnsupportedConfiguration(
+            f"KVCacheConfig.kvcore[{PARALLEL_KEY!r}]: world_size={parsed.world_size} is not "
+            f"a multiple (>= 2) of tensor_parallel_size={tp}",
+            hint="the engine core writes this entry; do not set it by hand",
+        )
+    return parsed
+
+
+def _options(settings: Mapping[str, Any] | None) -> tuple[ElasticConfig, bool]:
+    """``KVCacheConfig.kvcore`` as the ``ElasticConfig`` and the release-fence flag (the
+    entries the engine core adds beside the options)."""
+    from kvcore.adapters.vllm.runtime import RELEASE_FENCE
+
+    options = {k: v for k, v in (settings or {}).items() if k != PARALLEL_KEY}
+    release_fence = bool(options.pop(RELEASE_FENCE, False))
+    return ElasticConfig.parse(options), release_fence
+
+
+# ---------------------------------------------------------------------------- engine core
+
+
+@dataclass
+class _EngineChannel:
+    directory: ChannelDirectory
+    owner: int  # id() of the VllmConfig it serves
+    block_bytes: int
+
+
+_lock = threading.Lock()
+_engine_channel: _EngineChannel | None = None
+
+
+def channel_settings(
+    vllm_config: Any, config: ElasticConfig, *, block_bytes: int
+) -> dict[str, Any] | None:
+    """The ``"parallel"`` entry for one worker's ``KVCacheConfig``, or ``None`` when the
+    engine runs one rank (TP x PP = 1).
+
+    Called by ``elastic_settings`` in the engine core, once per worker's config, before any
+    worker allocates. The first call for a ``vllm_config`` creates this engine's channel
+    directory (``ChannelDirectory.create``; removed when the coordinator closes or at exit).
+    Raises ``UnsupportedConfiguration`` for ``gpu_ledger`` (module docstring) and for ranks
+    whose bytes per block differ (uneven PP stages); ``ChannelError`` when the directory
+    cannot be created."""
+    global _engine_channel
+    parallel = vllm_config.parallel_config
+    tp = int(parallel.tensor_parallel_size)
+    world = tp * int(parallel.pipeline_parallel_size)
+    if world == 1:
+        return None
+    if config.gpu_ledger:
+        raise UnsupportedConfiguration(
+            f"--kvcore-config: gpu_ledger with tensor x pipeline parallel size {world} is not "
+            "supported yet (the engine cannot charge each rank's GPU ledger)",
+            hint="use limit_bytes (a per-GPU budget) with TP/PP, or run one GPU worker",
+        )
+    with _lock:
+        channel = _engine_channel
+        if channel is None or channel.owner != id(vllm_config) or _removed(channel):
+            if channel is not None:
+                channel.directory.remove()
+            channel = _engine_channel = _EngineChannel(
+                ChannelDirectory.create(), id(vllm_config), block_bytes
+            )
+        elif channel.block_bytes != block_bytes:
+            raise UnsupportedConfiguration(
+                f"--kvcore-elastic: pipeline stages hold different bytes per KV block "
+                f"({channel.block_bytes} and {block_bytes}): elastic KV needs every rank to "
+                "cover the same blocks per page",
+                hint="choose a pipeline parallel size that divides the layer count evenly",
+            )
+        path = channel.directory.path
+    return ParallelSettings(str(path), world, tp).as_dict()
+
+
+def _removed(channel: _EngineChannel) -> bool:
+    return not channel.directory.path.is_dir()
+
+
+class ChannelKVMemory:
+    """The engine core's side of one TP x PP KV cache: a ``ChannelCoordinator`` over every
+    rank, the ``PageAllocator`` gated as ``config`` says (``limit_bytes``: per GPU), its
+    ``StepFence`` (``release_fence``: overlapping batches, which PP always has) and the
+    ``FencedBlockLedger`` the elastic block pool draws from (block 0, vLLM's null block,
+    reserved: its page stays mapped on every rank).
+
+    Raises ``WorkersMissing`` naming the ranks whose socket did not appear within
+    ``connect_timeout`` seconds, ``ChannelError`` (or a subclass) when a worker refuses the
+    handshake or the ranks' pages disagree with ``block_bytes``, ``PoolFailed`` when the
+    null block's page cannot be mapped; everything opened is closed again on failure.
+    ``timeout`` bounds each page transaction (``ChannelCoordinator``'s default if
+    ``None``). ``gate`` replaces the gate ``config`` describes and is closed with the
+    memory."""
+
+    def __init__(
+        self,
+        config: ElasticConfig,
+        parallel: ParallelSettings,
+        *,
+        num_blocks: int,
+        block_bytes: int,
+        release_fence: bool = False,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        timeout: float | None = None,
+        gate: MemoryGate | None = None,
+    ) -> None:
+        from kvcore.adapters.vllm.fence import FencedBlockLedger, StepFence
+
+        self.config = config
+        self.parallel = parallel
+        self.pages: PageAllocator | None = None
+        self.ledger: FencedBlockLedger
+        self._closed = False
+        self._on_close: list[Callable[[], None]] = []
+        self.gate: MemoryGate = gate or (
+            BudgetGate(config.limit_bytes) if config.limit_bytes is not None else UnlimitedGate()
+        )
+        self.coordinator: ChannelCoordinator | None = None
+        try:
+            self.coordinator = _connect(parallel, connect_timeout, timeout)
+            self.geometry = _engine_geometry(self.coordinator, num_blocks, block_bytes)
+            pages = self.geometry.num_pages
+            self.pages = PageAllocator(
+                self.coordinator,
+                self.gate,
+                reserve_min=min(config.reserve_min, pages),
+                reserve_max=min(config.reserve_max, pages),
+            )
+            self.fence = StepFence(self.pages, enabled=release_fence)
+            self.ledger = FencedBlockLedger(
+                self.geometry, self.pages, self.fence, reserved_blocks=(0,)
+            )
+        except BaseException:
+            self._teardown()
+            raise
+        log.info(
+            "kvcore: elastic KV cache of %d blocks on %d pages over %d ranks (worker pids %s)",
+            num_blocks,
+            pages,
+            parallel.world_size,
+            self.coordinator.worker_pids,
+        )
+
+    def stats(self) -> PageStats:
+        """The page allocator's snapshot (pages mapped on every rank, in use, ...)."""
+        assert self.pages is not None
+        return self.pages.stats()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` has run."""
+        return self._closed
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` when the memory closes (at once if it is closed already)."""
+        if self._closed:
+            callback()
+        else:
+            self._on_close.append(callback)
+
+    def close(self) -> None:
+        """Unmap every page on every rank, close the channel (the workers release their
+        mappers) and remove its directory. Idempotent; never raises (failures are logged).
+        After a fail-stop only this side is closed: the workers' memory goes with their
+        processes."""
+        if self._closed:
+            return
+        self._closed = True
+        for callback in self._on_close:
+            with contextlib.suppress(Exception):
+                callback()
+        self._teardown()
+
+    def _teardown(self) -> None:
+        if self.pages is not None:
+            try:
+                self.pages.close()
+            except PoolFailed as exc:  # fail-stop: already raised where it happened
+                log.warning("kvcore: closing the pages of a failed channel: %s", exc)
+            except Exception:
+                log.exception("kvcore: closing the page allocator failed")
+        closers = [getattr(self.gate, "close", None)]
+        if self.coordinator is not None:
+            closers.insert(0, self.coordinator.close)
+        for close in closers:
+            if close is None:
+                continue
+            try:
+                close()
+            except Exception:
+                log.exception("kvcore: closing %s failed", close)
+
+
+def _connect(
+    parallel: ParallelSettings, connect_timeout: float, timeout: float | None
+) -> ChannelCoordinator:
+    """Wait for every rank's socket, then connect (module docstring)."""
+    path = Path(parallel.channel_dir)
+    deadline = time.monotonic() + connect_timeout
+    ranks = range(parallel.world_size)
+    while True:
+        missing = [r for r in ranks if not socket_path(path, r).exists()]
+        if not missing:
+            break
+        if time.monotonic() >= deadline:
+            raise WorkersMissing(
+                f"elastic KV: rank(s) {missing} of {parallel.world_size} never opened their "
+                f"channel socket in {path} within {connect_timeout:g} s",
+                ranks=missing,
+                hint="those workers failed before allocating their KV cache (see their "
+                "logs), or run on another host (the channel is local to one host)",
+            )
+        time.sleep(0.02)
+    directory = _owned_directory(path)
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    return ChannelCoordinator(
+        directory if directory is not None else path,
+        world_size=parallel.world_size,
+        connect_timeout=max(deadline - time.monotonic(), 1.0),
+        **kwargs,
+    )
+
+
+def _owned_directory(path: Path) -> ChannelDirectory | None:
+    """This process's ``ChannelDirectory`` for ``path`` (the coordinator then removes it)."""
+    with _lock:
+        channel = _engine_channel
+        if channel is not None and channel.directory.path == path:
+            return channel.directory
+    return None
+
+
+def _engine_geometry(
+    coordinator: ChannelCoordinator, num_blocks: int, block_bytes: int
+) -> KVGeometry:
+    """The block -> page map every rank uses, checked against what the ranks report."""
+    sizes = set(coordinator.worker_page_bytes)
+    page_bytes = max(sizes)
+    if len(sizes) != 1 or page_bytes % block_bytes:
+        raise ChannelError(
+            "elastic KV: the ranks' pages disagree with the scheduler's "
+            f"{block_bytes}-byte blocks: page bytes per rank {coordinator.worker_page_bytes}",
+            hint="every rank needs the same bytes per block and the same page_bytes",
+        )
+    geometry = KVGeometry(
+        num_layers=1,
+        kv_buffers=1,
+        block_bytes=block_bytes,
+        num_blocks=num_blocks,
+        page_bytes=page_bytes,
+        granularity=page_bytes,  # the workers checked the device's own granularity
+        layout="compound",
+    )
+    if geometry.num_pages != coordinator.num_pages:
+        raise ChannelError(
+            f"elastic KV: the scheduler's {num_blocks} blocks make {geometry.num_pages} pages, "
+            f"the ranks report {coordinator.num_pages}",
+            hint="every rank must plan the same num_blocks (vLLM's planner does)",
+        )
+    return geometry
+
+
+def engine_memory(kv_cache_config: Any) -> ChannelKVMemory:
+    """The engine core's ``ChannelKVMemory`` for the scheduler's ``kv_cache_config``
+    (``KVCacheConfig.kvcore`` with a ``"parallel"`` entry), connected to every rank; the
+    caller (the block pool) closes it. Raises as ``ChannelKVMemory``."""
+    parallel = parallel_settings(kv_cache_config.kvcore)
+    if parallel is None:
+        raise UnsupportedConfiguration("elastic KV: these settings name no TP x PP channel")
+    config, release_fence = _options(kv_cache_config.kvcore)
+    return ChannelKVMemory(
+        config,
+        parallel,
+        num_blocks=int(kv_cache_config.num_blocks),
+        block_bytes=engine_row_bytes(kv_cache_config),
+        release_fence=release_fence,
+    )
+
+
+# ---------------------------------------------------------------------------- workers
+
+
+class WorkerKVMemory:
+    """One rank's KV buffer: a ``VirtualKVCache`` on this worker's device whose pages only
+    the engine's channel maps (a ``WorkerListener`` on its ``LocalPageMapper``).
+
+    Raises ``BackendUnavailable``/``VmmError`` when the backend cannot be opened or reserve
+    the range, ``GeometryError`` when a page cannot hold whole blocks, ``ChannelError`` when
+    this rank's socket is served by another live listener; nothing is left open on failure.
+    """
+
+    def __init__(
+        self,
+        config: ElasticConfig,
+        parallel: ParallelSettings,
+        kv_cache_config: Any,
+        *,
+        rank: int,
+        device_index: int = 0,
+    ) -> None:
+        self.rank = rank
+        self.cache: VirtualKVCache | None = None
+        self.mapper: LocalPageMapper | None = None
+        self.listener: WorkerListener | None = None
+        self._closed = False
+        self.backend = open_backend(config.backend, device_index, **dict(config.backend_options))
+        try:
+            # the layout a single-GPU worker uses (ElasticKVMemory): the same rows and pages
+            layout = family_layout(
+                kv_cache_config, self.backend.granularity(), page_bytes=config.page_bytes
+            )
+            self.geometry = layout.geometry
+            self.cache = VirtualKVCache(self.backend, self.geometry, sanity=config.sanity)
+            self.mapper = LocalPageMapper(self.cache)
+            self.listener = WorkerListener(
+                self.mapper, rank=rank, channel_dir=parallel.channel_dir
+            ).start()
+        except BaseException:
+            self._teardown()
+            raise
+
+    def buffer(self) -> torch.Tensor:
+        """The flat ``int8`` tensor of ``num_blocks * block_bytes`` bytes at a stable address
+        (unbacked blocks read as zeros)."""
+        assert self.cache is not None
+        g = self.geometry
+        view = self.cache.view(0, 0, torch.int8, block_shape=(g.block_bytes,))
+        return view.reshape(-1)[: g.num_blocks * g.block_bytes]
+
+    def close(self) -> None:
+        """Stop serving the channel, unmap every page and free the range. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._teardown()
+
+    def _teardown(self) -> None:
+        for close in (
+            getattr(self.listener, "close", None),
+            getattr(self.mapper, "close", None),
+            getattr(self.cache, "close", None),
+            self.backend.close,
+        ):
+            if close is None:
+                continue
+            try:
+                close()
+            except Exception:  # keep tearing down the rest
+                log.exception("kvcore: closing %s failed", close)
+
+
+_workers: dict[tuple[int, int], WorkerKVMemory] = {}
+
+
+def worker_buffer(kv_cache_config: Any, *, device_index: int = 0) -> torch.Tensor:
+    """This rank's KV buffer for ``allocate_kv_cache`` (``WorkerKVMemory.buffer``), serving
+    the engine's channel from now on; made once per cache and closed at interpreter exit.
+    The rank comes from vLLM's model-parallel groups. Raises ``UnsupportedConfiguration``
+    when those disagree with the settings, and as ``WorkerKVMemory``."""
+    parallel = parallel_settings(kv_cache_config.kvcore)
+    if parallel is None:
+        raise UnsupportedConfiguration("elastic KV: these settings name no TP x PP channel")
+    key = (int(kv_cache_config.num_blocks), engine_row_bytes(kv_cache_config))
+    with _lock:
+        memory = _workers.get(key)
+        if memory is None:
+            memory = _workers[key] = WorkerKVMemory(
+                _options(kv_cache_config.kvcore)[0],
+                parallel,
+                kv_cache_config,
+                rank=vllm_rank(parallel),
+                device_index=device_index,
+            )
+    return memory.buffer()
+
+
+def worker_memory(kv_cache_config: Any) -> WorkerKVMemory | None:
+    """This process's ``WorkerKVMemory`` for ``kv_cache_config``, if ``worker_buffer`` made
+    one (inspection: its ``mapper`` holds this rank's page states)."""
+    key = (int(kv_cache_config.num_blocks), engine_row_bytes(kv_cache_config))
+    with _lock:
+        return _workers.get(key)
+
+
+def vllm_rank(parallel: ParallelSettings) -> int:
+    """This worker's global rank ``pp_rank * tp_size + tp_rank`` from vLLM's model-parallel
+    groups (set up before any worker allocates its KV cache). Raises
+    ``UnsupportedConfiguration`` when they are not initialized or disagree with
+    ``parallel``."""
+    from vllm.distributed import parallel_state
+
+    try:
+        tp = parallel_state.get_tp_group()
+        pp = parallel_state.get_pp_group()
+    except AssertionError as exc:
+        raise UnsupportedConfiguration(
+            f"elastic KV with TP x PP: vLLM's model-parallel groups are not initialized in "
+            f"this worker ({exc})",
+            hint="allocate the KV cache after init_worker_distributed_environment",
+        ) from None
+    if tp.world_size != parallel.tensor_parallel_size or (
+        tp.world_size * pp.world_size != parallel.world_size
+    ):
+        raise UnsupportedConfiguration(
+            f"elastic KV: this worker's groups (TP {tp.world_size} x PP {pp.world_size}) "
+            f"differ from the engine's (world {parallel.world_size}, TP "
+            f"{parallel.tensor_parallel_size})",
+            hint="prefill context parallelism and data parallelism are not supported",
+        )
+    return int(pp.rank_in_group) * int(tp.world_size) + int(tp.rank_in_group)
+
+
+@atexit.register
+def _close_workers() -> None:
+    with _lock:
+        memories = list(_workers.values())
+        _workers.clear()
+    for memory in memories:
+        with contextlib.suppress(Exception):
+            memory.close()
