@@ -28,12 +28,7 @@ def check_vllm_config(vllm_config: Any, kv_cache_config: Any) -> None:
                 "only until the worker channel carries page transitions)",
                 hint=f"run with {name}=1, or without --kvcore-elastic",
             )
-    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
-        raise UnsupportedConfiguration(
-            "--kvcore-elastic: async scheduling is not supported yet (a freed page could "
-            "still be read by the batch in flight: the release fence is not wired)",
-            hint="add --no-async-scheduling",
-        )
+    # async scheduling is supported: freed pages wait behind fence.StepFence
     if vllm_config.kv_transfer_config is not None:
         raise UnsupportedConfiguration(
             "--kvcore-elastic: KV transfer / offloading (kv_transfer_config) is not "

@@ -7,7 +7,13 @@ every layer is the ``block_bytes`` row ``b``), its ``LocalPageMapper``, a ``Page
 gated by ``limit_bytes`` (or, with ``gpu_ledger``, by this instance's record in the per-GPU
 ledger, which is how two engines share one GPU's budget; or by a ``MemoryGate`` the embedding
 process passes as ``gate=``) and the ``BlockLedger`` the elastic block pool draws from. Block 0
-is vLLM's null block: reserved, its page stays backed.
+is vLLM's null block: reserved, its page stays backed. The ledger is a ``FencedBlockLedger``:
+with overlapping batches (``release_fence``) its ``fence`` keeps a page emptied behind a batch
+in flight mapped until that batch is done (``kvcore.adapters.vllm.fence``).
+
+``close()`` is the clean shutdown: every page unmapped, the range freed, the gate closed (with
+``gpu_ledger``: this instance's record removed from the per-GPU ledger). A step that fails
+does not stop the rest; the first failure is raised at the end.
 
 (SGLang's adapter has the same chain for its pools; the two should move into one
 engine-agnostic module of kvcore's core once both settle.)
@@ -18,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -25,11 +32,14 @@ import torch
 
 from kvcore.accounting import MemoryGate
 from kvcore.adapters.config import ElasticConfig
+from kvcore.adapters.vllm.fence import FencedBlockLedger, StepFence
 from kvcore.blocks import BlockLedger
+from kvcore.errors import KvcoreError
 from kvcore.geometry import KVGeometry
 from kvcore.pages import PageAllocator, PageStats
 from kvcore.tensors import LocalPageMapper, VirtualKVCache
 from kvcore.vmm import open_backend
+from kvcore.vmm.base import VmmBackend
 
 __all__ = ["ElasticKVMemory", "settings_dict"]
 
@@ -55,7 +65,9 @@ class ElasticKVMemory:
     (``limit_bytes`` / ``gpu_ledger``), for a process that owns the budget policy itself
     (a harness running several engines, a custom release policy through ``reserve_target``).
     The memory takes it over: ``close()`` closes it (if it has ``close``), also on a failed
-    start.
+    start. ``backend``: an open VMM backend to use instead of opening ``config.backend``
+    (fault injection; a harness sharing one host device), taken over and closed the same
+    way. ``release_fence``: enable the ledger's step fence (vLLM runs overlapping batches).
     """
 
     def __init__(
@@ -66,8 +78,11 @@ class ElasticKVMemory:
         block_bytes: int,
         device_index: int = 0,
         gate: MemoryGate | None = None,
+        backend: VmmBackend | None = None,
+        release_fence: bool = False,
     ) -> None:
         self.config = config
+        self._on_close: list[Callable[[], None]] = []
         self.cache: VirtualKVCache | None = None
         self.mapper: LocalPageMapper | None = None
         self.pages: PageAllocator | None = None
@@ -75,7 +90,9 @@ class ElasticKVMemory:
         self._closed = False
         if gate is not None:
             self.gate = gate  # set first: a failed start below still closes it
-        self.backend = open_backend(config.backend, device_index, **dict(config.backend_options))
+        if backend is None:
+            backend = open_backend(config.backend, device_index, **dict(config.backend_options))
+        self.backend = backend
         try:
             gran = self.backend.granularity()
             self.geometry = KVGeometry(
@@ -98,7 +115,10 @@ class ElasticKVMemory:
                 reserve_min=min(config.reserve_min, pages),
                 reserve_max=min(config.reserve_max, pages),
             )
-            self.ledger = BlockLedger(self.geometry, self.pages, reserved_blocks=(0,))
+            self.fence = StepFence(self.pages, enabled=release_fence)
+            self.ledger = FencedBlockLedger(
+                self.geometry, self.pages, self.fence, reserved_blocks=(0,)
+            )
         except BaseException:
             self._teardown()
             raise
@@ -136,28 +156,63 @@ class ElasticKVMemory:
         assert self.pages is not None
         return self.pages.stats()
 
+    @property
+    def closed(self) -> bool:
+        """``close()`` was called: nothing may use this memory any more."""
+        return self._closed
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once, when ``close()`` starts (a registry forgetting this
+        memory); at once if it is closed already."""
+        if self._closed:
+            callback()
+        else:
+            self._on_close.append(callback)
+
     def close(self) -> None:
-        """Unmap every page and free the range. Idempotent; buffers must not be used after."""
+        """The clean shutdown. Releases, in order: the page allocator (every page unmapped,
+        the gate's charge settled), the mapper's handles, the virtual range, the gate (with
+        ``gpu_ledger``: this instance's record removed from the per-GPU ledger), the backend.
+        Idempotent; buffers must not be used after.
+
+        A step that fails is logged and the rest still runs, so one failed unmap never keeps
+        the ledger record or the other pages; then ``KvcoreError`` is raised naming the steps
+        that failed (the first failure as its cause). The memory is closed either way."""
         if self._closed:
             return
         self._closed = True
-        self._teardown()
+        callbacks, self._on_close = self._on_close, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:
+                log.exception("kvcore: an on_close callback failed")
+        failed = self._teardown()
+        if failed:
+            what = ", ".join(name for name, _ in failed)
+            raise KvcoreError(
+                f"elastic KV: shutdown could not release everything ({what} failed); "
+                "everything else was released",
+                hint="the log has each failure; memory the driver still holds goes with the "
+                "process (kvctl shows any ledger record left behind)",
+            ) from failed[0][1]
 
-    def _teardown(self) -> None:
-        gate_close = getattr(getattr(self, "gate", None), "close", None)
-        for close in (
-            getattr(self.pages, "close", None),
-            getattr(self.mapper, "close", None),
-            getattr(self.cache, "close", None),
-            gate_close,
-        ):
+    def _teardown(self) -> list[tuple[str, BaseException]]:
+        """Close every part that exists, logging each failure; returns them (part, error)."""
+        failed: list[tuple[str, BaseException]] = []
+        steps: list[tuple[str, Callable[[], None] | None]] = [
+            ("page allocator", getattr(self.pages, "close", None)),
+            ("mapper", getattr(self.mapper, "close", None)),
+            ("virtual KV cache", getattr(self.cache, "close", None)),
+            ("memory gate", getattr(getattr(self, "gate", None), "close", None)),
+            (f"{self.backend.name} backend", self.backend.close),
+        ]
+        for name, close in steps:
             if close is None:
                 continue
             try:
                 close()
-            except Exception:  # keep tearing down the rest
-                log.exception("kvcore: closing %s failed", close)
-        try:
-            self.backend.close()
-        except Exception:
-            log.exception("kvcore: closing the %s backend failed", self.backend.name)
+            except Exception as exc:  # keep tearing down the rest
+                log.error("kvcore: closing the %s failed: %r", name, exc, exc_info=exc)
+                failed.append((name, exc))
+        return failed

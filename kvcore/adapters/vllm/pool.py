@@ -30,17 +30,22 @@ after its check: the blocks are backed (charged to the gate) before any is hande
 refusal is the same ``None``. ``get_new_blocks`` raises ``ElasticMiss`` (a ``ValueError``,
 as upstream raises for an over-ask) only when a caller skipped the claim and the budget ran
 out under it.
+
+The patched ``Scheduler`` also calls ``step_scheduled`` / ``step_done`` (the release fence for
+overlapping batches, ``kvcore.adapters.vllm.fence``) and, from ``Scheduler.shutdown``,
+``close`` (the kvcore memory behind the pool is released).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
+from kvcore.adapters.vllm.fence import StepFence
 from kvcore.blocks import BlockLedger
 from kvcore.errors import KvcoreError
 
@@ -59,7 +64,10 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
 
     ``ledger`` must cover exactly ``num_gpu_blocks`` block ids with block 0 reserved (vLLM's
     null block). ``max_cached_blocks`` bounds the evictable prefix cache (``None``: only
-    the capacity bounds it, as upstream). Other arguments are ``BlockPool``'s.
+    the capacity bounds it, as upstream). ``step_fence``: the ledger's step fence, which
+    ``step_scheduled`` / ``step_done`` drive (``None``: they do nothing); ``on_close``: what
+    ``close`` calls (release the kvcore memory behind the ledger). Other arguments are
+    ``BlockPool``'s.
     """
 
     def __init__(
@@ -70,6 +78,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         *args: Any,
         ledger: BlockLedger,
         max_cached_blocks: int | None = None,
+        step_fence: StepFence | None = None,
+        on_close: Callable[[], None] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(num_gpu_blocks, enable_caching, hash_block_size, *args, **kwargs)
@@ -81,6 +91,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             )
         self.ledger = ledger
         self.max_cached_blocks = max_cached_blocks
+        self.step_fence = step_fence
+        self._on_close = on_close
         self._logical_count = False  # get_num_free_blocks ignores the physical budget
         self._claimed: list[int] = []  # ledger blocks backed by claim_blocks, not yet handed out
         # Every non-null block starts free in the ledger, none in the queue: rebuild the
@@ -88,6 +100,29 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         for block in self.blocks:
             block.prev_free_block = block.next_free_block = None
         self.free_block_queue = FreeKVCacheBlockQueue([])
+
+    # ---------------------------------------------------------------- engine steps
+
+    def step_scheduled(self, nonempty: bool) -> None:
+        """``Scheduler.schedule`` handed a batch to the executor (``nonempty``: it schedules
+        any token): pages emptied from now on wait for it (``StepFence``)."""
+        if self.step_fence is not None:
+            self.step_fence.step_scheduled(nonempty)
+
+    def step_done(self, nonempty: bool) -> None:
+        """``Scheduler.update_from_output`` is processing the oldest batch in flight: its
+        device work is done, so the pages emptied behind it may be unmapped."""
+        if self.step_fence is not None:
+            self.step_fence.step_done(nonempty)
+
+    def close(self) -> None:
+        """The engine shuts down: release the kvcore memory behind this pool (every page
+        unmapped, the ledger record removed). Idempotent; the pool must not be used after.
+        Raises what ``on_close`` raises (the runtime's logs a failure instead: vLLM's
+        shutdown goes on)."""
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
 
     # ---------------------------------------------------------------- allocation
 

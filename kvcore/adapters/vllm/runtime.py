@@ -15,10 +15,19 @@ The patch series adds one carrier and three call sites (``patches/vllm/<version>
   same process's buffer, or (a scheduler without a worker in its process, e.g. the engine's
   own scheduler tests) over a buffer it makes itself.
 
+* Shutdown: the patched ``Worker.shutdown`` calls ``release_kv_memory()`` and the patched
+  ``Scheduler.shutdown`` the pool's ``close()``: every page unmapped, the per-GPU ledger
+  record removed, before vLLM's own teardown goes on (failures are logged, never raised
+  into vLLM's shutdown).
+* Release fence: with overlapping batches (async scheduling, PP's batch queue) the engine
+  core's settings carry ``release_fence`` and the patched ``Scheduler`` reports each batch
+  handed out and each output processed to the pool (``kvcore.adapters.vllm.fence``).
+
 One ``ElasticKVMemory`` per KV buffer per process holds the whole object chain (backend,
 virtual tensor, mapper, page allocator, ledger), found again by the KV cache's
-``(num_blocks, bytes per block)`` and closed at interpreter exit; a pool that had to make
-its own closes it when the pool is collected.
+``(num_blocks, bytes per block)``; closing it (shutdown, or interpreter exit) removes it from
+this registry, so a closed memory is never handed out again. A pool that had to make its own
+closes it when the pool is closed or collected.
 """
 
 from __future__ import annotations
@@ -37,12 +46,14 @@ from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.vllm.checks import check_vllm_config
 from kvcore.adapters.vllm.memory import ElasticKVMemory, settings_dict
 from kvcore.errors import KvcoreError, UnsupportedConfiguration
+from kvcore.vmm.base import VmmBackend
 
 __all__ = [
     "elastic_block_pool_class",
     "elastic_kv_buffer",
     "elastic_settings",
     "manager_for",
+    "release_kv_memory",
 ]
 
 log = logging.getLogger(__name__)
@@ -50,6 +61,10 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _managers: dict[tuple[int, int], ElasticKVMemory] = {}  # KV buffers made in this process
 _claimed: set[tuple[int, int]] = set()  # ... whose ledger a block pool took
+
+RELEASE_FENCE = "release_fence"
+"""The ``KVCacheConfig.kvcore`` key (vLLM-side, not an ``ElasticConfig`` option) saying the
+engine runs overlapping batches, so freed pages wait behind ``fence.StepFence``."""
 
 
 def elastic_settings(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
@@ -61,7 +76,9 @@ def elastic_settings(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
     raw = getattr(vllm_config.cache_config, "kvcore_config", None)
     config = ElasticConfig.parse(raw)
     check_vllm_config(vllm_config, kv_cache_config)
-    return settings_dict(config)
+    settings = settings_dict(config)
+    settings[RELEASE_FENCE] = _overlapping_batches(vllm_config)
+    return settings
 
 
 def elastic_kv_buffer(kv_cache_config: Any, device: torch.device, nbytes: int) -> torch.Tensor:
@@ -91,77 +108,140 @@ def elastic_block_pool_class(kv_cache_config: Any) -> Any:
 
     key = _key(kv_cache_config)
     with _lock:
-        manager = _managers.get(key)
+        manager = _live(key)
         shared = manager is not None and key not in _claimed
         if shared:
             _claimed.add(key)
     if not shared:
         manager = _make(kv_cache_config, 0)
     assert manager is not None
-    bound = manager.config.max_cached_tokens
+    memory = manager
+    bound = memory.config.max_cached_tokens
     max_cached = None if bound is None else max(bound // _block_size(kv_cache_config), 0)
 
     def build(*args: Any, **kwargs: Any) -> ElasticBlockPool:
         pool = ElasticBlockPool(
-            *args, ledger=manager.ledger, max_cached_blocks=max_cached, **kwargs
+            *args,
+            ledger=memory.ledger,
+            max_cached_blocks=max_cached,
+            step_fence=memory.fence,
+            on_close=functools.partial(_close_quietly, memory),
+            **kwargs,
         )
         if not shared:  # the pool's own memory goes when the pool does
-            weakref.finalize(pool, manager.close)
+            weakref.finalize(pool, _close_quietly, memory)
         return pool
 
     return functools.wraps(ElasticBlockPool)(build)
 
 
 def manager_for(
-    kv_cache_config: Any, *, device_index: int = 0, gate: MemoryGate | None = None
+    kv_cache_config: Any,
+    *,
+    device_index: int = 0,
+    gate: MemoryGate | None = None,
+    backend: VmmBackend | None = None,
 ) -> ElasticKVMemory:
     """This process's kvcore memory for the KV buffer ``kv_cache_config`` describes, made on
     first use from ``kv_cache_config.kvcore`` (the worker side; a block pool built later in
-    the same process takes its ledger, so call this before building the scheduler).
+    the same process takes its ledger, so call this before building the scheduler). A
+    closed memory is never returned: the next call makes a new one.
 
-    ``gate``: a ``MemoryGate`` to charge instead of the one the settings describe (see
-    ``ElasticKVMemory``); the memory takes it over. Raises ``KvcoreError`` when ``gate`` is
-    given but the memory already exists (its gate cannot change any more)."""
+    ``gate`` / ``backend``: a ``MemoryGate`` to charge instead of the one the settings
+    describe, an open VMM backend to use instead of opening the configured one (see
+    ``ElasticKVMemory``); the memory takes them over. Raises ``KvcoreError`` when either
+    is given but the memory already exists (they cannot change any more)."""
     key = _key(kv_cache_config)
     with _lock:
-        manager = _managers.get(key)
+        manager = _live(key)
         if manager is None:
-            manager = _managers[key] = _make(kv_cache_config, device_index, gate)
-        elif gate is not None and manager.gate is not gate:
+            manager = _managers[key] = _make(kv_cache_config, device_index, gate, backend)
+            manager.on_close(functools.partial(_forget, key, manager))
+        elif (gate is not None and manager.gate is not gate) or (
+            backend is not None and manager.backend is not backend
+        ):
             raise KvcoreError(
                 f"elastic KV: the memory of {key[0]} blocks of {key[1]} bytes already exists "
-                "with its own memory gate",
-                hint="pass gate= on the first manager_for call, before the scheduler is built",
+                "with its own memory gate and backend",
+                hint="pass gate=/backend= on the first manager_for call, before the scheduler "
+                "is built",
             )
     return manager
 
 
+def release_kv_memory() -> None:
+    """Close every KV memory this process made through ``elastic_kv_buffer`` /
+    ``manager_for``: every page unmapped, the range freed, the per-GPU ledger record removed
+    (``ElasticKVMemory.close``). Called by the patched ``Worker.shutdown``; also runs at
+    interpreter exit. A failure is logged with its hint and the next memory is still closed:
+    this never raises, so vLLM's own teardown after it always runs."""
+    with _lock:
+        managers = list(_managers.values())
+    for manager in managers:
+        _close_quietly(manager)
+
+
+def _live(key: tuple[int, int]) -> ElasticKVMemory | None:
+    """The registered memory for ``key``, dropping a closed one. Caller holds ``_lock``."""
+    manager = _managers.get(key)
+    if manager is not None and manager.closed:
+        del _managers[key]
+        _claimed.discard(key)
+        return None
+    return manager
+
+
+def _forget(key: tuple[int, int], manager: ElasticKVMemory) -> None:
+    """``manager`` is closing: the registry no longer hands it out."""
+    with _lock:
+        if _managers.get(key) is manager:
+            del _managers[key]
+            _claimed.discard(key)
+
+
+def _close_quietly(manager: ElasticKVMemory) -> None:
+    try:
+        manager.close()
+    except KvcoreError as exc:
+        log.error("kvcore: %s (%s)", exc, getattr(exc, "hint", ""))
+    except Exception:
+        log.exception("kvcore: closing the elastic KV memory failed")
+
+
 def _make(
-    kv_cache_config: Any, device_index: int, gate: MemoryGate | None = None
+    kv_cache_config: Any,
+    device_index: int,
+    gate: MemoryGate | None = None,
+    backend: VmmBackend | None = None,
 ) -> ElasticKVMemory:
     num_blocks, block_bytes = _key(kv_cache_config)
-    config = ElasticConfig.parse(dict(kv_cache_config.kvcore or {}))
+    settings = dict(kv_cache_config.kvcore or {})
+    release_fence = bool(settings.pop(RELEASE_FENCE, False))
+    config = ElasticConfig.parse(settings)
     return ElasticKVMemory(
         config,
         num_blocks=num_blocks,
         block_bytes=block_bytes,
         device_index=device_index,
         gate=gate,
+        backend=backend,
+        release_fence=release_fence,
     )
-
-
-def _close(key: tuple[int, int]) -> None:
-    with _lock:
-        manager = _managers.pop(key, None)
-        _claimed.discard(key)
-    if manager is not None:
-        manager.close()
 
 
 @atexit.register
 def _close_all() -> None:
-    for key in list(_managers):
-        _close(key)
+    release_kv_memory()
+
+
+def _overlapping_batches(vllm_config: Any) -> bool:
+    """Whether vLLM may free blocks a batch in flight still uses: async scheduling or more
+    than one batch in the engine core's batch queue (PP)."""
+    batches = getattr(vllm_config, "max_concurrent_batches", None)
+    if isinstance(batches, int):
+        return batches > 1
+    pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    return bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)) or pp > 1
 
 
 def _key(kv_cache_config: Any) -> tuple[int, int]:

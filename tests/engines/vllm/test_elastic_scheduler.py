@@ -320,9 +320,9 @@ def test_unsupported_configuration_is_named_at_start_up() -> None:
     with pytest.raises(UnsupportedConfiguration, match="limit_gb"):
         elastic_settings(config, kv)
     config.cache_config.kvcore_config = None
-    config.scheduler_config.async_scheduling = True
-    with pytest.raises(UnsupportedConfiguration, match="async scheduling"):
-        elastic_settings(config, kv)
+    assert elastic_settings(config, kv)["release_fence"] is False
+    config.scheduler_config.async_scheduling = True  # supported: the release fence is wired
+    assert elastic_settings(config, kv)["release_fence"] is True
     config.scheduler_config.async_scheduling = False
     two = KVCacheConfig(
         num_blocks=64,
