@@ -74,6 +74,7 @@ __all__ = [
     "channel_settings",
     "engine_memory",
     "parallel_settings",
+    "release_worker_memory",
     "worker_buffer",
     "worker_memory",
 ]
@@ -298,8 +299,8 @@ class ChannelKVMemory:
         if self.pages is not None:
             try:
                 self.pages.close()
-            except PoolFailed as exc:  # fail-stop: already raised where it happened
-                log.warning("kvcore: closing the pages of a failed channel: %s", exc)
+            except PoolFailed as exc:  # a fail-stop, or vLLM stopped the workers first
+                log.info("kvcore: the workers' pages go with their processes: %s", exc)
             except Exception:
                 log.exception("kvcore: closing the page allocator failed")
         closers = [getattr(self.gate, "close", None)]
@@ -534,10 +535,12 @@ def vllm_rank(parallel: ParallelSettings) -> int:
 
 
 @atexit.register
-def _close_workers() -> None:
+def release_worker_memory() -> None:
+    """Close every ``WorkerKVMemory`` of this process: stop serving the channel, unmap and
+    release every page, free the range. Called by ``runtime.release_kv_memory`` (the patched
+    ``Worker.shutdown``) and at interpreter exit; never raises (failures are logged)."""
     with _lock:
         memories = list(_workers.values())
         _workers.clear()
     for memory in memories:
-        with contextlib.suppress(Exception):
-            memory.close()
+        memory.close()  # WorkerKVMemory.close logs and goes on
