@@ -21,8 +21,10 @@ first evicts down to the bound; on older SGLang the option is refused at start-u
 ``conservation_available_size()`` is what the scheduler's idle leak check adds to evictable
 + protected tokens to get the pool's total in elastic mode.
 
-Only the two stock classes are supported; ``elastic_allocator`` refuses any other allocator
-(SWA, HiSparse, page-interleave, NPU) with ``UnsupportedConfiguration``.
+``elastic_allocator`` turns the two stock classes into these and the hybrid
+``SWATokenToKVPoolAllocator`` into ``kvcore.adapters.sglang.swa``'s (over these two); it
+refuses any other allocator (HiSparse, page-interleave, NPU, unified pools) with
+``UnsupportedConfiguration``.
 """
 
 from __future__ import annotations
@@ -338,10 +340,19 @@ def elastic_allocator(upstream: Any) -> Any:
     """The elastic equivalent of SGLang's freshly built allocator ``upstream`` (same size,
     page size, dtype, device, KV pool and sort mode); ``upstream`` is discarded.
 
-    Raises ``UnsupportedConfiguration`` naming the allocator class when it is not one of the
-    two stock allocators (hybrid SWA, HiSparse, page-interleave sharding, NPU, DSV4).
+    A hybrid ``SWATokenToKVPoolAllocator`` becomes ``kvcore.adapters.sglang.swa``'s
+    elastic SWA allocator. Raises ``UnsupportedConfiguration`` naming the allocator class
+    when it is none of these (HiSparse, page-interleave sharding, NPU, DSV4, unified pools).
     """
-    if isinstance(upstream, _ElasticMixin):
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+
+    if isinstance(upstream, SWATokenToKVPoolAllocator) and not isinstance(
+        getattr(upstream, "full_attn_allocator", None), _ElasticMixin
+    ):
+        from kvcore.adapters.sglang.swa import elastic_swa_allocator
+
+        return elastic_swa_allocator(upstream)
+    if isinstance(upstream, (_ElasticMixin, SWATokenToKVPoolAllocator)):
         raise UnsupportedConfiguration(
             "kvcore elastic KV does not support speculative decoding (a draft worker's KV "
             "pool sharing the target's elastic allocator)",
@@ -351,9 +362,9 @@ def elastic_allocator(upstream: Any) -> Any:
     if cls is None:
         raise UnsupportedConfiguration(
             f"kvcore elastic KV does not support SGLang's {type(upstream).__name__}",
-            hint="supported: TokenToKVPoolAllocator and PagedTokenToKVPoolAllocator (full-"
-            "attention MHA/MLA models without hybrid SWA, HiSparse, KV sharding or DCP); "
-            "start without --kvcore-elastic",
+            hint="supported: TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator and the "
+            "hybrid SWATokenToKVPoolAllocator (MHA/MLA and full + sliding-window models "
+            "without HiSparse, KV sharding or DCP); start without --kvcore-elastic",
         )
     kvcache = upstream.get_kvcache()
     if cls is ElasticTokenToKVPoolAllocator:

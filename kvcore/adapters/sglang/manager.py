@@ -22,6 +22,7 @@ import torch
 
 from kvcore.accounting import MemoryGate
 from kvcore.blocks import BlockLedger
+from kvcore.families import plan_rows
 from kvcore.geometry import KVGeometry
 from kvcore.pages import PageAllocator, PageStats
 from kvcore.tensors import LocalPageMapper, VirtualKVCache
@@ -29,6 +30,7 @@ from kvcore.vmm import open_backend
 
 if TYPE_CHECKING:
     from kvcore.adapters.config import ElasticConfig
+    from kvcore.adapters.sglang.gate import SharedGate
     from kvcore.vmm.base import VmmBackend
 
 __all__ = ["ElasticKVManager"]
@@ -41,7 +43,9 @@ class ElasticKVManager:
 
     ``num_rows`` token rows of ``row_bytes`` bytes in each of ``num_layers x kv_buffers``
     buffers, handed out in blocks of ``page_size`` rows. ``name`` is this rank's instance
-    name in the per-GPU ledger (with ``config.gpu_ledger``). Raises ``GeometryError`` when the
+    name in the per-GPU ledger (with ``config.gpu_ledger``). ``gate``: the rank's
+    ``SharedGate`` when several pools share one budget (the manager takes a share and leaves
+    it on close); ``None`` opens a gate of its own. Raises ``GeometryError`` when the
     physical page cannot hold whole blocks, ``BackendUnavailable``/``VmmError`` when the
     backend cannot be opened or reserve the ranges, ``PoolFailed`` when block 0's page
     cannot be mapped; nothing is left reserved or mapped on failure.
@@ -59,6 +63,7 @@ class ElasticKVManager:
         device_index: int = 0,
         backend: VmmBackend | None = None,
         name: str = "sglang",
+        gate: SharedGate | None = None,
     ) -> None:
         self.config = config
         self.page_size = page_size
@@ -74,18 +79,24 @@ class ElasticKVManager:
         try:
             gran = self.backend.granularity()
             block_bytes = page_size * row_bytes
+            # SGLang indexes token rows with one uniform stride: no padded block stride
+            plan = plan_rows(block_bytes, gran, pad=False, page_bytes=config.page_bytes)
             self.geometry = KVGeometry(
                 num_layers=num_layers,
                 kv_buffers=kv_buffers,
                 block_bytes=block_bytes,
                 num_blocks=math.ceil(num_rows / page_size),
-                page_bytes=config.page_bytes or math.lcm(block_bytes, gran),
+                page_bytes=plan.page_bytes,
                 granularity=gran,
                 layout="per-layer",  # SGLang indexes token rows with one uniform stride
             )
             self.cache = VirtualKVCache(self.backend, self.geometry, sanity=config.sanity)
             self.mapper = LocalPageMapper(self.cache)
-            self.gate: MemoryGate = self._gate(config, name)
+            self.gate: MemoryGate = (
+                self._gate(config, name)
+                if gate is None
+                else gate.join(lambda: self._gate(config, name))
+            )
             self.pages = PageAllocator(
                 self.mapper,
                 self.gate,

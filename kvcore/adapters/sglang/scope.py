@@ -18,16 +18,20 @@ Unsupported pool configurations raise ``UnsupportedConfiguration`` naming the se
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import os
 from typing import Any
 
 from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.sglang.allocators import elastic_allocator
+from kvcore.adapters.sglang.gate import SharedGate
 from kvcore.adapters.sglang.manager import ElasticKVManager
 from kvcore.errors import UnsupportedConfiguration
 
 __all__ = ["ElasticScope"]
+
+_SCOPES = itertools.count()
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,9 @@ class ElasticScope:
         self.config = config if isinstance(config, ElasticConfig) else ElasticConfig.parse(config)
         self.device_index = device_index
         self.managers: list[ElasticKVManager] = []
+        # one budget for every pool of this rank (hybrid SWA sub-pools, KV + Mamba state)
+        self.gate = SharedGate()
+        self._serial = next(_SCOPES)  # this rank's instance name in the per-GPU ledger
         self._previous: Any = None
         self._memory_pool: Any = None
         atexit.register(self.close)
@@ -136,7 +143,8 @@ class ElasticScope:
             page_size=pool.page_size,
             num_rows=rows,
             device_index=self.device_index,
-            name=f"sglang-{os.getpid()}-{len(self.managers)}",
+            name=f"sglang-{os.getpid()}-{self._serial}",
+            gate=self.gate,
         )
         self.managers.append(manager)
         return manager
