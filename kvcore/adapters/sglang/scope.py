@@ -10,6 +10,9 @@ The patch series adds three seams to SGLang and this module is what they call:
   of ``torch.zeros``: the pool's buffers become kvcore virtual-tensor views, and the pool
   gets a ``kvcore_manager`` attribute;
 * the scheduler's leak check reads ``conservation_available_size()`` from the allocator.
+* where the series has it, ``memory_pool.MAMBA_STATE_HOOK`` is the scope:
+  ``mamba_buffers`` / ``mamba_allocator`` give a ``MambaPool`` its conv/SSM state and slot
+  allocator from kvcore (``kvcore.adapters.sglang.mamba``).
 
 Everything here runs in the process of one TP rank and touches only that rank's memory.
 Unsupported pool configurations raise ``UnsupportedConfiguration`` naming the setting.
@@ -23,9 +26,16 @@ import logging
 import os
 from typing import Any
 
+import torch
+
 from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.sglang.allocators import elastic_allocator
 from kvcore.adapters.sglang.gate import SharedGate
+from kvcore.adapters.sglang.mamba import (
+    ElasticMambaState,
+    build_mamba_state,
+    elastic_mamba_allocator,
+)
 from kvcore.adapters.sglang.manager import ElasticKVManager
 from kvcore.errors import UnsupportedConfiguration
 
@@ -53,6 +63,7 @@ class ElasticScope:
         self.config = config if isinstance(config, ElasticConfig) else ElasticConfig.parse(config)
         self.device_index = device_index
         self.managers: list[ElasticKVManager] = []
+        self.mamba_states: list[ElasticMambaState] = []
         # one budget for every pool of this rank (hybrid SWA sub-pools, KV + Mamba state)
         self.gate = SharedGate()
         self._serial = next(_SCOPES)  # this rank's instance name in the per-GPU ledger
@@ -70,11 +81,15 @@ class ElasticScope:
             )
         self._memory_pool = memory_pool
         memory_pool.KV_BUFFER_HOOK = self.create_buffers
+        if hasattr(memory_pool, "MAMBA_STATE_HOOK"):  # the series' Mamba seam
+            memory_pool.MAMBA_STATE_HOOK = self
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._memory_pool is not None:
             self._memory_pool.KV_BUFFER_HOOK = None
+            if hasattr(self._memory_pool, "MAMBA_STATE_HOOK"):
+                self._memory_pool.MAMBA_STATE_HOOK = None
             self._memory_pool = None
 
     # -- seams ---------------------------------------------------------------------------
@@ -120,11 +135,44 @@ class ElasticScope:
         ``kvcore.adapters.sglang.allocators.elastic_allocator``)."""
         return elastic_allocator(upstream)
 
+    def mamba_buffers(self, pool: Any, **shapes: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """``MambaPool``'s conv states and temporal state from kvcore (the series'
+        ``MAMBA_STATE_HOOK`` seam; ``shapes``: ``layers``, ``conv_shapes``, ``conv_dtype``,
+        ``temporal_shape``, ``temporal_dtype``, ``slots``). See
+        ``kvcore.adapters.sglang.mamba``; raises ``UnsupportedConfiguration`` naming what it
+        cannot back."""
+        tp, pp = _parallel_sizes()
+        if tp * pp > 1 and (self.config.limit_bytes is not None or self.config.gpu_ledger):
+            raise UnsupportedConfiguration(
+                f"kvcore elastic Mamba state with a physical budget at TP {tp} x PP {pp}: "
+                "slot allocation outcomes are not agreed across ranks",
+                hint="drop limit_bytes and gpu_ledger from --kvcore-config, or run on one GPU",
+            )
+        state = build_mamba_state(
+            pool,
+            self.config,
+            gate=self.gate,
+            device_index=self.device_index,
+            name=f"sglang-{os.getpid()}-{self._serial}",
+            **shapes,
+        )
+        self.mamba_states.append(state)
+        *conv, temporal = state.tensors
+        return conv, temporal
+
+    def mamba_allocator(self, mamba_pool: Any, upstream: Any) -> Any:
+        """The elastic slot allocator for a ``MambaPool`` built through ``mamba_buffers``
+        (``kvcore.adapters.sglang.mamba.elastic_mamba_allocator``)."""
+        return elastic_mamba_allocator(mamba_pool, upstream)
+
     def close(self) -> None:
         """Close every manager this scope created (unmaps pages, frees ranges)."""
         managers, self.managers = self.managers, []
         for manager in managers:
             manager.close()
+        states, self.mamba_states = self.mamba_states, []
+        for state in states:
+            state.close()
 
     # -- helpers -------------------------------------------------------------------------
 
