@@ -20,14 +20,24 @@ _FULL_ATTENTION = "FullAttentionSpec"
 def check_vllm_config(vllm_config: Any, kv_cache_config: Any) -> None:
     """Raise ``UnsupportedConfiguration`` for what elastic KV cannot run (see module doc)."""
     parallel = vllm_config.parallel_config
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+    # TP x PP > 1 runs through kvcore's worker channel (parallel.py); DP and PCP do not yet
+    for name in ("data_parallel_size", "prefill_context_parallel_size"):
         size = int(getattr(parallel, name, 1) or 1)
         if size != 1:
             raise UnsupportedConfiguration(
-                f"--kvcore-elastic: {name}={size} is not supported yet (single GPU worker "
-                "only until the worker channel carries page transitions)",
+                f"--kvcore-elastic: {name}={size} is not supported yet (one scheduler "
+                "drives one TP x PP group of workers)",
                 hint=f"run with {name}=1, or without --kvcore-elastic",
             )
+    ranks = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
+    executor = getattr(parallel, "distributed_executor_backend", None)
+    if ranks > 1 and (executor != "mp" or int(getattr(parallel, "nnodes", 1) or 1) != 1):
+        raise UnsupportedConfiguration(
+            f"--kvcore-elastic: TP x PP = {ranks} needs vLLM's multiprocessing executor on "
+            f"one host (got distributed_executor_backend={executor!r}, "
+            f"nnodes={getattr(parallel, 'nnodes', 1)}): kvcore's worker channel is local",
+            hint="add --distributed-executor-backend mp on a single node",
+        )
     # async scheduling is supported: freed pages wait behind fence.StepFence
     if vllm_config.kv_transfer_config is not None:
         raise UnsupportedConfiguration(

@@ -45,6 +45,15 @@ from kvcore.accounting import MemoryGate
 from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.vllm.checks import check_vllm_config
 from kvcore.adapters.vllm.memory import ElasticKVMemory, settings_dict
+from kvcore.adapters.vllm.parallel import (
+    PARALLEL_KEY,
+    ChannelKVMemory,
+    channel_settings,
+    engine_memory,
+    parallel_settings,
+    release_worker_memory,
+    worker_buffer,
+)
 from kvcore.errors import KvcoreError, UnsupportedConfiguration
 from kvcore.vmm.base import VmmBackend
 
@@ -78,6 +87,9 @@ def elastic_settings(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
     check_vllm_config(vllm_config, kv_cache_config)
     settings = settings_dict(config)
     settings[RELEASE_FENCE] = _overlapping_batches(vllm_config)
+    parallel = channel_settings(vllm_config, config, block_bytes=_block_bytes(kv_cache_config))
+    if parallel is not None:  # TP x PP > 1: the workers serve kvcore's channel (parallel.py)
+        settings[PARALLEL_KEY] = parallel
     return settings
 
 
@@ -96,6 +108,8 @@ def elastic_kv_buffer(kv_cache_config: Any, device: torch.device, nbytes: int) -
             f"{block_bytes} bytes",
             hint="elastic KV needs one block-outermost KV cache tensor (VLLM_KV_CACHE_LAYOUT)",
         )
+    if parallel_settings(kv_cache_config.kvcore) is not None:  # one rank of TP x PP
+        return worker_buffer(kv_cache_config, device_index=_device_index(device))
     return manager_for(kv_cache_config, device_index=_device_index(device)).buffer()
 
 
@@ -112,10 +126,12 @@ def elastic_block_pool_class(kv_cache_config: Any) -> Any:
         shared = manager is not None and key not in _claimed
         if shared:
             _claimed.add(key)
-    if not shared:
-        manager = _make(kv_cache_config, 0)
-    assert manager is not None
-    memory = manager
+    memory: ElasticKVMemory | ChannelKVMemory | None = manager
+    if not shared and parallel_settings(kv_cache_config.kvcore) is not None:
+        memory = engine_memory(kv_cache_config)  # TP x PP: the ranks' workers hold the pages
+    elif not shared:
+        memory = _make(kv_cache_config, 0)
+    assert memory is not None
     bound = memory.config.max_cached_tokens
     max_cached = None if bound is None else max(bound // _block_size(kv_cache_config), 0)
 
@@ -179,6 +195,7 @@ def release_kv_memory() -> None:
         managers = list(_managers.values())
     for manager in managers:
         _close_quietly(manager)
+    release_worker_memory()  # a TP x PP rank's buffer (parallel.py)
 
 
 def _live(key: tuple[int, int]) -> ElasticKVMemory | None:
@@ -199,7 +216,7 @@ def _forget(key: tuple[int, int], manager: ElasticKVMemory) -> None:
             _claimed.discard(key)
 
 
-def _close_quietly(manager: ElasticKVMemory) -> None:
+def _close_quietly(manager: ElasticKVMemory | ChannelKVMemory) -> None:
     try:
         manager.close()
     except KvcoreError as exc:

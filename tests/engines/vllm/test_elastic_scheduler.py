@@ -307,6 +307,7 @@ class _Parallel:
     tensor_parallel_size = 2
     pipeline_parallel_size = 1
     data_parallel_size = 1
+    distributed_executor_backend = "ray"  # TP x PP > 1 needs vLLM's mp executor (parallel.py)
 
 
 def test_unsupported_configuration_is_named_at_start_up() -> None:
@@ -334,7 +335,7 @@ def test_unsupported_configuration_is_named_at_start_up() -> None:
     parallel = config.parallel_config
     object.__setattr__(config, "parallel_config", _Parallel())
     try:
-        with pytest.raises(UnsupportedConfiguration, match="tensor_parallel_size=2"):
+        with pytest.raises(UnsupportedConfiguration, match="TP x PP = 2 needs vLLM's mult"):
             elastic_settings(config, kv)
     finally:
         object.__setattr__(config, "parallel_config", parallel)
