@@ -30,7 +30,7 @@ from kvcore.vmm import open_backend
 
 if TYPE_CHECKING:
     from kvcore.adapters.config import ElasticConfig
-    from kvcore.adapters.sglang.gate import SharedGate
+    from kvcore.gate_share import SharedGate
     from kvcore.vmm.base import VmmBackend
 
 __all__ = ["ElasticKVManager"]

@@ -30,14 +30,11 @@ import torch
 
 from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.sglang.allocators import elastic_allocator
-from kvcore.adapters.sglang.gate import SharedGate
-from kvcore.adapters.sglang.mamba import (
-    ElasticMambaState,
-    build_mamba_state,
-    elastic_mamba_allocator,
-)
+from kvcore.adapters.sglang.mamba import build_mamba_state, elastic_mamba_allocator
 from kvcore.adapters.sglang.manager import ElasticKVManager
 from kvcore.errors import UnsupportedConfiguration
+from kvcore.gate_share import SharedGate
+from kvcore.slots import SlotStates
 
 __all__ = ["ElasticScope"]
 
@@ -63,7 +60,7 @@ class ElasticScope:
         self.config = config if isinstance(config, ElasticConfig) else ElasticConfig.parse(config)
         self.device_index = device_index
         self.managers: list[ElasticKVManager] = []
-        self.mamba_states: list[ElasticMambaState] = []
+        self.mamba_states: list[SlotStates] = []
         # one budget for every pool of this rank (hybrid SWA sub-pools, KV + Mamba state)
         self.gate = SharedGate()
         self._serial = next(_SCOPES)  # this rank's instance name in the per-GPU ledger

@@ -1,14 +1,14 @@
-"""One memory gate shared by every kvcore manager of one SGLang rank.
+"""One memory gate shared by several page allocators of one engine instance.
 
-A model whose KV state lives in several SGLang pools (hybrid SWA: a full-attention and a
-sliding-window sub-pool; hybrid Mamba: a KV pool and a Mamba state pool) gets one kvcore
-manager per pool, each with its own ``PageAllocator``. The instance's budget
-(``limit_bytes``, the per-GPU ledger's instance limit) must cover them all, so they draw on
-one gate: ``SharedGate`` opens the real gate once (the first manager's ``make_gate``) and
-hands each manager a ``GateShare``. A share forwards ``try_acquire`` / ``release`` /
-``headroom`` / ``reserve_target`` to the one gate; ``report_reserve`` is per share (a page
-allocator reports its own reserve) and the gate sees the sum. The gate is closed when the
-last share closes.
+An engine whose KV state lives in several pools gets one kvcore object chain per pool, each
+with its own ``PageAllocator`` (SGLang's hybrid SWA model: a full-attention and a
+sliding-window sub-pool; a hybrid Mamba model: a KV pool and a Mamba state pool). The
+instance's budget (``limit_bytes``, the per-GPU ledger's instance limit) must cover them all,
+so they draw on one gate: ``SharedGate`` opens the real gate once (the first joiner's
+``make``) and hands each allocator a ``GateShare``. A share forwards ``try_acquire`` /
+``release`` / ``headroom`` / ``reserve_target`` to the one gate; ``report_reserve`` is per
+share (a page allocator reports its own reserve) and the gate sees the sum. The gate is
+closed when the last share closes.
 """
 
 from __future__ import annotations
