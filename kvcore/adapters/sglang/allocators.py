@@ -66,6 +66,9 @@ class _ElasticMixin:
 
     def _bind(self, kvcache: Any) -> None:
         manager = getattr(kvcache, "kvcore_manager", None)
+        if manager is None and _is_hybrid_linear(kvcache):
+            # a hybrid Mamba model: token KV lives in the full-attention sub-pool
+            manager = getattr(kvcache.full_kv_pool, "kvcore_manager", None)
         if manager is None:
             raise UnsupportedConfiguration(
                 f"elastic allocator over a {type(kvcache).__name__} whose buffers kvcore did "
@@ -316,6 +319,13 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
         ids = page_ids[0] if len(page_ids) == 1 else torch.cat(page_ids)
         if ids.numel():
             self.ledger.free(ids.tolist())
+
+
+def _is_hybrid_linear(kvcache: Any) -> bool:
+    """Whether ``kvcache`` is SGLang's ``HybridLinearKVPool`` (full attention + Mamba)."""
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+    return type(kvcache) is HybridLinearKVPool
 
 
 @functools.cache

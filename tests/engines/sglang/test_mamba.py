@@ -20,7 +20,7 @@ from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 
 from kvcore.errors import InvalidTransition, UnsupportedConfiguration
 
-from .harness import HOST, requires_fork
+from .harness import HOST, requires_cpu_paged_kernels, requires_fork
 
 pytestmark = requires_fork  # the scope installs the series' buffer hook
 
@@ -221,3 +221,42 @@ def test_the_series_seam_builds_elastic_state(scopes: Any) -> None:
     assert req.mamba_pool.kvcore_mamba is not None
     slot = req.mamba_allocator.alloc(1)
     assert slot is not None and slot.tolist() == [1]
+
+
+@requires_cpu_paged_kernels
+def test_hybrid_linear_kv_pool_and_mamba_state_are_elastic_together(scopes: Any) -> None:
+    """A hybrid Mamba model's two pools in one scope: ``HybridLinearKVPool`` (its full-
+    attention sub-pool is kvcore's) with SGLang's paged allocator, and the Mamba state."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+    scope = scopes()
+    pool, slots = seamed_pool(scope)
+    with scope:
+        kv = memory_pool.HybridLinearKVPool(
+            size=256,
+            dtype=torch.bfloat16,
+            page_size=16,
+            head_num=2,
+            head_dim=64,
+            full_attention_layer_ids=[0, 2, 4],
+            device="cpu",
+            mamba_pool=pool,
+        )
+        alloc = scope.allocator(
+            PagedTokenToKVPoolAllocator(256, 16, torch.bfloat16, "cpu", kv, False)
+        )
+    manager = kv.full_kv_pool.kvcore_manager
+    assert alloc.kvcore is manager
+    t = torch.tensor
+    out = alloc.alloc_extend(t([0]), t([0]), t([40]), t([40]), t([-1]), 40)
+    assert out is not None and out.numel() == 40
+    slot = slots.alloc(1)
+    assert slot is not None
+    gate = scope.gate.gate
+    manager.pages.flush()
+    charged = manager.stats().charged_bytes + sum(
+        p.pages.stats().charged_bytes for p in pool.kvcore_mamba._parts
+    )
+    assert gate.held == charged  # the KV pool and the Mamba state: one gate
+    alloc.free(out)
+    slots.free(slot)
