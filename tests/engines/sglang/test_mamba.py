@@ -1,11 +1,13 @@
 """Elastic Mamba state (``MambaPool`` + ``MambaSlotAllocator``) against the real SGLang
 classes.
 
-The series' Mamba seam (``memory_pool.MAMBA_STATE_HOOK``, written up for the series owner) is
-not in the forked wheel yet, so ``seamed_pool`` does what its two hunks do, no more: the pool's
-state tensors come from ``ElasticScope.mamba_buffers`` instead of ``torch.zeros``, and the slot
-allocator from ``ElasticScope.mamba_allocator``. Everything else is SGLang's own code
-(``clear_slots``, ``copy_from``, ``get_cpu_copy``, the allocator's group alloc).
+``kv_mode`` tests check SGLang's slot contract both ways (its own pool and allocator vs
+kvcore's); the others check what kvcore adds (pages per slot, partial tail, one gate with
+the KV pools, refusals). The series' Mamba seam (``memory_pool.MAMBA_STATE_HOOK``, written up
+for the series owner) is not in the forked wheel yet, so ``seamed_pool`` does what its hunks
+do, no more: the pool's state tensors come from ``ElasticScope.mamba_buffers`` instead of
+``torch.zeros``, and the slot allocator from ``ElasticScope.mamba_allocator``. Everything else
+is SGLang's own code (``clear_slots``, ``copy_from``, ``get_cpu_copy``, group allocation).
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 from kvcore.errors import InvalidTransition, UnsupportedConfiguration
 
 from .harness import HOST, requires_cpu_paged_kernels, requires_fork
-
-pytestmark = requires_fork  # the scope installs the series' buffer hook
 
 LAYERS = [1, 3, 5]
 SIZE = 40  # slots 1..40; slot 0 is SGLang's dummy
@@ -95,6 +95,58 @@ def scopes() -> Any:
         s.close()
 
 
+def stack(mode: str, scopes: Any) -> tuple[Any, Any]:
+    """SGLang's own pool and slot allocator (``off``) or the elastic ones (``on``)."""
+    if mode == "off":
+        return upstream_pool(), MambaSlotAllocator(size=SIZE, device="cpu")
+    return seamed_pool(scopes())
+
+
+# -- the contract, elastic off and on ---------------------------------------------------------
+
+
+def test_slots_are_unique_never_zero_and_none_when_short(kv_mode: str, scopes: Any) -> None:
+    _, alloc = stack(kv_mode, scopes)
+    got = alloc.alloc(SIZE)
+    assert got is not None and sorted(got.tolist()) == list(range(1, SIZE + 1))
+    assert alloc.available_size() == 0 and alloc.alloc(1) is None
+    alloc.free(got[:5])
+    again = alloc.alloc(5)
+    assert again is not None and sorted(again.tolist()) == sorted(got[:5].tolist())
+    alloc.free(torch.cat([again, got[5:]]))
+    assert alloc.available_size() == SIZE
+
+
+def test_slot_ops_copy_clear_and_cpu_copy(kv_mode: str, scopes: Any) -> None:
+    pool, alloc = stack(kv_mode, scopes)
+    a, b = alloc.alloc(1), alloc.alloc(1)
+    assert a is not None and b is not None
+    cache = pool.mamba_cache
+    cache.temporal[:, a] = torch.randn(len(LAYERS), 1, 2, 16, 32)
+    cache.conv[0][:, a] = torch.randn(len(LAYERS), 1, *cache.conv[0].shape[2:]).bfloat16()
+    pool.copy_from(a, b)  # SGLang's copy-on-write of a cached state
+    assert torch.equal(cache.temporal[:, b], cache.temporal[:, a])
+    assert torch.equal(cache.conv[0][:, b], cache.conv[0][:, a])
+    conv_cpu, temporal_cpu = pool.get_cpu_copy(b)
+    assert torch.equal(temporal_cpu, cache.temporal[:, a])
+    assert torch.equal(conv_cpu[0], cache.conv[0][:, a])
+    pool.clear_slots(a)
+    assert not cache.temporal[:, a].any() and cache.temporal[:, b].any()
+
+
+def test_group_alloc_returns_unused_slots(kv_mode: str, scopes: Any) -> None:
+    _, alloc = stack(kv_mode, scopes)
+    alloc.alloc_group_begin(4)
+    first = alloc.alloc(1)
+    alloc.alloc_group_end()
+    assert first is not None and alloc.available_size() == SIZE - 1
+    assert set(alloc.free_slots.tolist()) == set(range(1, SIZE + 1)) - set(first.tolist())
+
+
+# -- what kvcore adds ---------------------------------------------------------------------------
+
+
+@requires_fork
 def test_state_tensors_have_sglang_shapes_and_alias_kvcore(scopes: Any) -> None:
     ref = upstream_pool()
     pool, _ = seamed_pool(scopes())
@@ -107,6 +159,7 @@ def test_state_tensors_have_sglang_shapes_and_alias_kvcore(scopes: Any) -> None:
     assert state.tensors[-1].data_ptr() == ours.temporal.data_ptr()
 
 
+@requires_fork
 def test_slots_map_pages_on_alloc_and_unmap_on_free(scopes: Any) -> None:
     pool, alloc = seamed_pool(scopes())
     state = pool.kvcore_mamba
@@ -123,6 +176,7 @@ def test_slots_map_pages_on_alloc_and_unmap_on_free(scopes: Any) -> None:
     assert alloc.available_size() == SIZE
 
 
+@requires_fork
 def test_partial_tail_slots_are_usable_and_never_beyond(scopes: Any) -> None:
     pool, alloc = seamed_pool(scopes())
     slots = alloc.alloc(SIZE)
@@ -134,32 +188,7 @@ def test_partial_tail_slots_are_usable_and_never_beyond(scopes: Any) -> None:
     alloc.free(slots)
 
 
-def test_sglang_slot_ops_write_and_read_the_elastic_state(scopes: Any) -> None:
-    pool, alloc = seamed_pool(scopes())
-    a, b = alloc.alloc(1), alloc.alloc(1)
-    assert a is not None and b is not None
-    cache = pool.mamba_cache
-    cache.temporal[:, a] = torch.randn(len(LAYERS), 1, 2, 16, 32)
-    cache.conv[0][:, a] = torch.randn(len(LAYERS), 1, *cache.conv[0].shape[2:]).bfloat16()
-    pool.copy_from(a, b)  # SGLang's copy-on-write of a cached state
-    assert torch.equal(cache.temporal[:, b], cache.temporal[:, a])
-    assert torch.equal(cache.conv[0][:, b], cache.conv[0][:, a])
-    conv_cpu, temporal_cpu = pool.get_cpu_copy(b)
-    assert torch.equal(temporal_cpu, cache.temporal[:, a])
-    assert torch.equal(conv_cpu[0], cache.conv[0][:, a])
-    pool.clear_slots(a)
-    assert not cache.temporal[:, a].any() and cache.temporal[:, b].any()
-
-
-def test_group_alloc_returns_unused_slots(scopes: Any) -> None:
-    _, alloc = seamed_pool(scopes())
-    alloc.alloc_group_begin(4)
-    first = alloc.alloc(1)
-    alloc.alloc_group_end()
-    assert first is not None and alloc.available_size() == SIZE - 1
-    assert set(alloc.free_slots.tolist()) == set(range(1, SIZE + 1)) - set(first.tolist())
-
-
+@requires_fork
 def test_state_and_kv_pages_charge_one_gate_and_a_tight_budget_yields_none(scopes: Any) -> None:
     probe = scopes(reserve_min=0, reserve_max=0)
     seamed_pool(probe)
@@ -187,6 +216,7 @@ def test_state_and_kv_pages_charge_one_gate_and_a_tight_budget_yields_none(scope
     alloc.free(got)
 
 
+@requires_fork
 def test_unsupported_mamba_configurations_are_named(scopes: Any) -> None:
     scope = scopes()
     plain = upstream_pool()  # built without the seam: kvcore did not make its state
@@ -201,6 +231,7 @@ def test_unsupported_mamba_configurations_are_named(scopes: Any) -> None:
         scope.mamba_allocator(pool, Other(size=SIZE, device="cpu"))
 
 
+@requires_fork
 @pytest.mark.skipif(
     not hasattr(memory_pool, "MAMBA_STATE_HOOK"), reason="the series has no Mamba seam yet"
 )
@@ -223,6 +254,7 @@ def test_the_series_seam_builds_elastic_state(scopes: Any) -> None:
     assert slot is not None and slot.tolist() == [1]
 
 
+@requires_fork
 @requires_cpu_paged_kernels
 def test_hybrid_linear_kv_pool_and_mamba_state_are_elastic_together(scopes: Any) -> None:
     """A hybrid Mamba model's two pools in one scope: ``HybridLinearKVPool`` (its full-
