@@ -25,14 +25,14 @@ Pages. Every rank must cover the same blocks per page id: a page is ``page_bytes
 the same bytes per block (TP ranks always do; PP stages do when the layers split evenly).
 Uneven PP stages are refused at start-up.
 
-Memory accounting (decided here). Each rank runs on its own GPU, so ``limit_bytes`` is a
-per-GPU budget: the gate is charged what the fullest rank holds
-(``ChannelCoordinator.held_bytes``: pages not unmapped x the largest rank's page bytes, plus
-its zero page), not the sum over ranks. Ranks sharing one GPU (tests, the one-GPU
-benchmark) therefore use ``world_size`` times what the gate sees. The per-GPU ledger
-(``gpu_ledger``) would need one record per rank on that rank's GPU, charged by the engine;
-the handshake does not carry the workers' GPU ids yet, so ``gpu_ledger`` is refused with
-TP x PP > 1.
+Memory accounting (decided here). Each rank runs on its own GPU, so the page allocator's
+charge is per GPU: what one rank holds (``ChannelCoordinator.held_bytes``: pages not unmapped
+x the largest rank's page bytes, plus its zero page), never the sum over ranks. With
+``limit_bytes`` alone it is a per-GPU budget (``BudgetGate``; ranks sharing one GPU use
+``world_size`` times what it sees). With ``gpu_ledger`` every rank gets its own record in the
+ledger of its own GPU, each charged that per-GPU figure (``rank_gates.RankLedgerGates``; each
+worker publishes its device for it), so other engines on any of those GPUs see exactly what
+this engine holds there, ranks sharing a GPU included.
 
 Failure. A worker that dies or breaks its connection fails the channel: the next page
 transition raises ``PoolFailed`` out of the scheduler (fail-stop, never a page mapped on some
@@ -44,6 +44,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -56,6 +57,7 @@ import torch
 from kvcore.accounting import BudgetGate, MemoryGate, UnlimitedGate
 from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.vllm.groups import engine_row_bytes, family_layout
+from kvcore.adapters.vllm.rank_gates import RankLedgerGates, publish_device
 from kvcore.channel import ChannelCoordinator, ChannelDirectory, WorkerListener, socket_path
 from kvcore.errors import ChannelError, PoolFailed, UnsupportedConfiguration, WorkersMissing
 from kvcore.geometry import KVGeometry
@@ -163,21 +165,14 @@ def channel_settings(
     Called by ``elastic_settings`` in the engine core, once per worker's config, before any
     worker allocates. The first call for a ``vllm_config`` creates this engine's channel
     directory (``ChannelDirectory.create``; removed when the coordinator closes or at exit).
-    Raises ``UnsupportedConfiguration`` for ``gpu_ledger`` (module docstring) and for ranks
-    whose bytes per block differ (uneven PP stages); ``ChannelError`` when the directory
-    cannot be created."""
+    Raises ``UnsupportedConfiguration`` for ranks whose bytes per block differ (uneven PP
+    stages); ``ChannelError`` when the directory cannot be created."""
     global _engine_channel
     parallel = vllm_config.parallel_config
     tp = int(parallel.tensor_parallel_size)
     world = tp * int(parallel.pipeline_parallel_size)
     if world == 1:
         return None
-    if config.gpu_ledger:
-        raise UnsupportedConfiguration(
-            f"--kvcore-config: gpu_ledger with tensor x pipeline parallel size {world} is not "
-            "supported yet (the engine cannot charge each rank's GPU ledger)",
-            hint="use limit_bytes (a per-GPU budget) with TP/PP, or run one GPU worker",
-        )
     with _lock:
         channel = _engine_channel
         if channel is None or channel.owner != id(vllm_config) or _removed(channel):
@@ -236,12 +231,12 @@ class ChannelKVMemory:
         self.ledger: FencedBlockLedger
         self._closed = False
         self._on_close: list[Callable[[], None]] = []
-        self.gate: MemoryGate = gate or (
-            BudgetGate(config.limit_bytes) if config.limit_bytes is not None else UnlimitedGate()
-        )
+        self.gate: MemoryGate | None = gate
         self.coordinator: ChannelCoordinator | None = None
         try:
             self.coordinator = _connect(parallel, connect_timeout, timeout)
+            if self.gate is None:
+                self.gate = _gate(config, parallel, num_blocks * block_bytes)
             self.geometry = _engine_geometry(self.coordinator, num_blocks, block_bytes)
             pages = self.geometry.num_pages
             self.pages = PageAllocator(
@@ -313,6 +308,23 @@ class ChannelKVMemory:
                 close()
             except Exception:
                 log.exception("kvcore: closing %s failed", close)
+
+
+def _gate(config: ElasticConfig, parallel: ParallelSettings, capacity: int) -> MemoryGate:
+    """The gate ``config`` asks for (module docstring: per GPU, one ledger record per rank)."""
+    if config.gpu_ledger:
+        import vllm
+
+        return RankLedgerGates.open(
+            parallel.channel_dir,
+            parallel.world_size,
+            name=f"vllm-{os.getpid()}-{capacity}",
+            engine="vllm",
+            engine_version=str(vllm.__version__),
+            limit=config.limit_bytes or 0,
+            directory=Path(config.ledger_dir) if config.ledger_dir else None,
+        )
+    return BudgetGate(config.limit_bytes) if config.limit_bytes is not None else UnlimitedGate()
 
 
 def _connect(
@@ -436,6 +448,7 @@ class WorkerKVMemory:
             self.geometry = layout.geometry
             self.cache = VirtualKVCache(self.backend, self.geometry, sanity=config.sanity)
             self.mapper = LocalPageMapper(self.cache)
+            publish_device(parallel.channel_dir, rank, self.backend)  # for per-rank ledgers
             self.listener = WorkerListener(
                 self.mapper, rank=rank, channel_dir=parallel.channel_dir
             ).start()

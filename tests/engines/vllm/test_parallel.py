@@ -30,6 +30,7 @@ import socket
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -74,6 +75,7 @@ from kvcore.errors import (  # noqa: E402
     UnsupportedConfiguration,
     WorkersMissing,
 )
+from kvcore.gpu_ledger import GpuLedger  # noqa: E402
 
 LAYERS = 4  # attention layers of the model, split over the PP stages (SPEC: 512 B per block)
 LAYOUT = "BLHNC"  # block-outermost: one block id is one row of every layer
@@ -86,8 +88,8 @@ TOPOLOGIES = [pytest.param(2, 1, id="tp2"), pytest.param(2, 2, id="tp2xpp2")]
 # ------------------------------------------------------------------------- the engine core
 
 
-def vllm_config(tp: int, pp: int, backend: str = "host") -> VllmConfig:
-    options: dict[str, Any] = {"backend": backend}
+def vllm_config(tp: int, pp: int, backend: str = "host", **kvcore: Any) -> VllmConfig:
+    options: dict[str, Any] = {"backend": backend, **kvcore}
     if backend == "host":
         options["backend_options"] = {"granularity": GRAN}
     cache = CacheConfig(
@@ -372,6 +374,32 @@ def test_worker_killed_mid_run_fails_stop() -> None:
         workers.close()
 
 
+def test_gpu_ledger_charges_one_record_per_rank(tmp_path: Path) -> None:
+    """Both ranks run on the host backend's device 0 here: one ledger, one record per rank,
+    each charged what one rank holds; the pool's close removes both."""
+    config = vllm_config(2, 1, gpu_ledger=True, ledger_dir=str(tmp_path))
+    configs, scheduler_kv = plan(config)
+    workers = Workers(config, configs)
+    try:
+        scheduler = make_scheduler(config, scheduler_kv)
+        pool = pool_of(scheduler)
+        for i in range(3):
+            scheduler.add_request(request(f"g{i}", 80, max_tokens=3))
+        step(scheduler)
+        assert pool.ledger.pages.flush(10.0)
+        charged = pool.ledger.pages.stats().charged_bytes
+        assert charged > 2 * pool.ledger.geometry.page_bytes
+        (path,) = [p for p in tmp_path.iterdir() if p.is_file()]
+        with GpuLedger.open_path(path) as ledger:
+            records = {r.name.rsplit("-", 1)[1]: r.mapped for r in ledger.snapshot().records}
+        assert records == {"rank0": charged, "rank1": charged}
+        pool.close()
+        with GpuLedger.open_path(path) as ledger:
+            assert ledger.snapshot().records == ()
+    finally:
+        workers.close()
+
+
 def test_missing_workers_time_out_naming_them(tmp_path: Any) -> None:
     """Rank 0 of a TP=2 x PP=2 group serves its socket; ranks 1-3 never start."""
     from kvcore.tensors import LocalPageMapper, VirtualKVCache
@@ -454,10 +482,6 @@ def test_unsupported_parallel_setups_refused_at_start() -> None:
     config = vllm_config(2, 1)
     config.parallel_config.distributed_executor_backend = "ray"
     with pytest.raises(UnsupportedConfiguration, match="multiprocessing executor"):
-        plan(config)
-    config = vllm_config(2, 1)
-    config.cache_config.kvcore_config = {"backend": "host", "gpu_ledger": True}
-    with pytest.raises(UnsupportedConfiguration, match="gpu_ledger"):
         plan(config)
 
 
