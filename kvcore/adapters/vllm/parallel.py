@@ -17,13 +17,13 @@ needed: the three call sites of the series are enough.
   vLLM's own: ``pp_rank * tp_size + tp_rank`` from its model-parallel groups.
 * Engine core, ``elastic_block_pool_class`` (the scheduler): ``engine_memory`` waits for
   every rank's socket (``WorkersMissing`` naming the ranks that never came), connects a
-  ``ChannelCoordinator`` (a ``PageMapper``) and builds the ``PageAllocator`` and
-  ``BlockLedger`` on it, exactly as for one local GPU.
+  ``ChannelCoordinator`` (a ``PageMapper``) and builds the ``PageAllocator``, ``StepFence``
+  and ``FencedBlockLedger`` on it, exactly as for one local GPU.
 
-Pages. Every rank must cover the same blocks per page id: a page is ``page_bytes`` of
-``--kvcore-config`` or ``lcm(bytes per block, granularity)`` on each rank, and ranks must hold
-the same bytes per block (TP ranks always do; PP stages do when the layers split evenly).
-Uneven PP stages are refused at start-up.
+Pages. Every rank must cover the same blocks per page id: each rank lays out its buffer as a
+single-GPU worker does (``groups.family_layout``), so ranks must hold the same bytes per block
+(TP ranks always do; PP stages do when the layers split evenly); uneven PP stages are refused
+at start-up, and the engine checks the pages every rank reports before it maps any.
 
 Memory accounting (decided here). Each rank runs on its own GPU, so the page allocator's
 charge is per GPU: what one rank holds (``ChannelCoordinator.held_bytes``: pages not unmapped
