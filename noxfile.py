@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import nox
@@ -100,151 +102,147 @@ for _name in dict.fromkeys(rel.name for rel in MATRIX):
     _rebase_session(_name)
 
 
-# --- SGLang engine tests (tests/engines/sglang/): the real SGLang allocator, pool and radix
-# cache on CPU, three ways: the pinned upstream wheel, then the forked wheel with elastic KV off
-# and on. One session per pinned SGLang release that has a pinned CPU dependency list. ---
-SGLANG_TESTS = ROOT / "tests" / "engines" / "sglang"
+# --- engine tests (tests/engines/<engine>/): one session per pinned release that has a pinned
+# CPU dependency list (tests/engines/<engine>/requirements-<version>.txt), all of one shape:
+# the tests with the pinned upstream wheel, then (where patches/<engine>/<version>/ holds a
+# series) with the forked wheel that patchq builds. Only `_EngineTests` differs per engine. ---
+ENGINE_TESTS = ROOT / "tests" / "engines"
+# torchvision: registry wheels link CUDA torch; an import-only stand-in (see its doc)
+TORCHVISION_SHIM = ENGINE_TESTS / "sglang" / "shim"
+_Stage = Callable[[nox.Session, str, dict[str, str]], None]
 
 
-def _sglang_test_session(version: str, short: str) -> str | None:
-    requirements = SGLANG_TESTS / f"requirements-{version}.txt"
-    if not requirements.exists():
-        return None
-    name = f"test-sglang-{short}"
+@dataclass(frozen=True)
+class _EngineTests:
+    """What one engine's ``test-<engine>-<short>`` sessions run at each stage."""
 
-    def test_sglang(session: nox.Session) -> None:
-        session.install("--no-deps", TORCH, "-r", str(requirements))
-        session.install("--no-deps", "-e", ".")
-        env = {"PYTHONHASHSEED": "0", "PYTHONPATH": str(SGLANG_TESTS / "shim")}
-        pytest_args = session.posargs or ["-q", "-p", "no:cacheprovider"]
-        fetch = ("python", "-m", "patchq", "fetch", "sglang", version, "wheel", "--python")
-        upstream = session.run(*fetch, PYTHON, silent=True).strip().splitlines()[-1]
-        session.install("--no-deps", "--force-reinstall", upstream)
-        session.run(
-            "pytest",
-            str(SGLANG_TESTS),
-            *pytest_args,
-            env={**env, "KVCORE_SGLANG_EXPECT": "upstream"},
-        )
-        if not (ROOT / "patches" / "sglang" / version / "series").exists():
-            session.log(f"no patch series for sglang {version}: upstream run only")
-            return
-        built = session.run(
-            "python", "-m", "patchq", "build", "sglang", version, "--no-install-check", silent=True
-        )
-        forked = sorted(
-            (ROOT / "dist").glob(f"sglang-{version}+kvcore.*-cp311-*.whl"),
-            key=lambda p: p.stat().st_mtime,
-        )
-        if not forked:
-            session.error(f"patchq build produced no forked wheel:\n{built}")
-        session.install("--no-deps", "--force-reinstall", str(forked[-1]))
-        session.run(
-            "pytest",
-            str(SGLANG_TESTS),
-            *pytest_args,
-            env={**env, "KVCORE_SGLANG_EXPECT": "patched"},
-        )
+    engine: str
+    doc: str
+    """The session's description; ``{version}`` is filled in."""
+    fetch_args: tuple[str, ...]
+    """Arguments after ``patchq fetch <engine> <version> wheel`` choosing the upstream wheel."""
+    forked_glob: str
+    """The forked wheel ``patchq build`` writes into dist/; ``{version}`` is filled in."""
+    upstream: _Stage
+    """Called as ``(session, version, env)`` with the upstream wheel installed."""
+    patched: _Stage
+    """Called the same way with the forked wheel installed (only where a series exists)."""
+    finish: Callable[[nox.Session, str, dict[str, str], bool], None] = lambda *_: None
+    """Called last, also told whether ``patched`` ran."""
 
-    test_sglang.__doc__ = (
-        f"SGLang {version} KV tests on CPU: upstream wheel, then forked wheel (elastic off, on)."
-    )
-    nox.session(name=name, python=PYTHON)(test_sglang)
-    return name
+    def session(self, version: str, short: str) -> str | None:
+        """Define ``test-<engine>-<short>``; returns its name, or ``None`` (no session) when
+        the release has no pinned CPU dependency list."""
+        requirements = ENGINE_TESTS / self.engine / f"requirements-{version}.txt"
+        if not requirements.exists():
+            return None
 
-
-SGLANG_TEST_SESSIONS = [
-    s
-    for rel in MATRIX
-    if rel.name == "sglang"
-    if (s := _sglang_test_session(rel.version, rel.short))
-]
-
-
-# --- vLLM engine tests (tests/engines/vllm/): the pinned release's own tests/v1/core three
-# ways (upstream wheel; forked wheel with elastic KV off; forked wheel with elastic KV on),
-# then kvcore's tests against the real vLLM scheduler. One session per pinned vLLM release
-# that has a pinned CPU dependency list. ---
-VLLM_TESTS = ROOT / "tests" / "engines" / "vllm"
-
-
-def _vllm_test_session(version: str, short: str) -> str | None:
-    requirements = VLLM_TESTS / f"requirements-{version}.txt"
-    if not requirements.exists():
-        return None
-    name = f"test-vllm-{short}"
-
-    def test_vllm(session: nox.Session) -> None:
-        session.install("--no-deps", TORCH, "-r", str(requirements))
-        session.install("--no-deps", "-e", ".")
-        # torchvision: registry wheels link CUDA torch; an import-only stand-in (see its doc)
-        env = {"PYTHONPATH": str(SGLANG_TESTS / "shim")}
-        out = Path(session.create_tmp()) / f"vllm-{version}"
-        suite = ("python", str(VLLM_TESTS / "upstream_suite.py"))
-        fetch = ("python", "-m", "patchq", "fetch", "vllm", version, "wheel")
-        wheel = str(session.run(*fetch, silent=True)).strip().splitlines()[-1]
-        session.install("--no-deps", "--force-reinstall", wheel)
-        runs = [str(out / "upstream.json")]
-        session.run(
-            *suite,
-            "run",
-            "--version",
-            version,
-            "--mode",
-            "upstream",
-            "--out",
-            runs[0],
-            *session.posargs,
-            env=env,
-        )
-        if (ROOT / "patches" / "vllm" / version / "series").exists():
-            session.run(
-                "python",
-                "-m",
-                "patchq",
-                "build",
-                "vllm",
-                version,
-                "--no-install-check",
-                silent=True,
-            )
-            forked = sorted(
-                (ROOT / "dist").glob(f"vllm-{version}+kvcore.*.whl"),
-                key=lambda p: p.stat().st_mtime,
-            )
-            if not forked:
-                session.error("patchq build produced no forked vLLM wheel")
-            session.install("--no-deps", "--force-reinstall", str(forked[-1]))
-            for mode in ("elastic-off", "elastic-on"):
-                runs.append(str(out / f"{mode}.json"))
-                session.run(
-                    *suite,
-                    "run",
-                    "--version",
-                    version,
-                    "--mode",
-                    mode,
-                    "--out",
-                    runs[-1],
-                    *session.posargs,
-                    env=env,
+        def test_engine(session: nox.Session) -> None:
+            session.install("--no-deps", TORCH, "-r", str(requirements))
+            session.install("--no-deps", "-e", ".")
+            env = {"PYTHONHASHSEED": "0", "PYTHONPATH": str(TORCHVISION_SHIM)}
+            fetch = ("python", "-m", "patchq", "fetch", self.engine, version, "wheel")
+            upstream = str(session.run(*fetch, *self.fetch_args, silent=True))
+            session.install("--no-deps", "--force-reinstall", upstream.strip().splitlines()[-1])
+            self.upstream(session, version, env)
+            patched = (ROOT / "patches" / self.engine / version / "series").exists()
+            if patched:
+                build = ("python", "-m", "patchq", "build", self.engine, version)
+                built = session.run(*build, "--no-install-check", silent=True)
+                forked = sorted(
+                    (ROOT / "dist").glob(self.forked_glob.format(version=version)),
+                    key=lambda p: p.stat().st_mtime,
                 )
-            session.run("pytest", "-q", str(VLLM_TESTS), env={**env, "PYTHONHASHSEED": "0"})
-        else:
-            session.log(f"no patch series for vllm {version}: upstream run only")
-        session.run(*suite, "compare", *runs, env=env)
+                if not forked:
+                    session.error(f"patchq build produced no forked {self.engine} wheel:\n{built}")
+                session.install("--no-deps", "--force-reinstall", str(forked[-1]))
+                self.patched(session, version, env)
+            else:
+                session.log(f"no patch series for {self.engine} {version}: upstream run only")
+            self.finish(session, version, env, patched)
 
-    test_vllm.__doc__ = (
-        f"vLLM {version} tests/v1/core on CPU three ways (upstream, elastic off, elastic on) "
-        "and kvcore's scheduler tests."
-    )
-    nox.session(name=name, python=PYTHON)(test_vllm)
-    return name
+        test_engine.__doc__ = self.doc.format(version=version)
+        name = f"test-{self.engine}-{short}"
+        nox.session(name=name, python=PYTHON)(test_engine)
+        return name
 
 
-VLLM_TEST_SESSIONS = [
-    s for rel in MATRIX if rel.name == "vllm" if (s := _vllm_test_session(rel.version, rel.short))
-]
+# SGLang (tests/engines/sglang/): the real SGLang allocator, pool and radix cache on CPU; the
+# patched run covers elastic KV off and on.
+def _sglang_pytest(expect: str) -> _Stage:
+    def run(session: nox.Session, version: str, env: dict[str, str]) -> None:
+        pytest_args = session.posargs or ["-q", "-p", "no:cacheprovider"]
+        tests = str(ENGINE_TESTS / "sglang")
+        session.run("pytest", tests, *pytest_args, env={**env, "KVCORE_SGLANG_EXPECT": expect})
+
+    return run
+
+
+SGLANG = _EngineTests(
+    engine="sglang",
+    doc="SGLang {version} KV tests on CPU: upstream wheel, then forked wheel (elastic off, on).",
+    fetch_args=("--python", PYTHON),
+    forked_glob="sglang-{version}+kvcore.*-cp311-*.whl",
+    upstream=_sglang_pytest("upstream"),
+    patched=_sglang_pytest("patched"),
+)
+
+
+# vLLM (tests/engines/vllm/): the release's own tests/v1/core three ways (upstream wheel;
+# forked wheel with elastic KV off; with elastic KV on; `upstream_suite.py compare` judges
+# them), then kvcore's tests against the real vLLM scheduler.
+VLLM_TESTS = ENGINE_TESTS / "vllm"
+VLLM_MODES = ("upstream", "elastic-off", "elastic-on")
+
+
+def _vllm_results(session: nox.Session, version: str, mode: str) -> str:
+    return str(Path(session.create_tmp()) / f"vllm-{version}" / f"{mode}.json")
+
+
+def _vllm_suite(session: nox.Session, version: str, env: dict[str, str], mode: str) -> None:
+    suite = ("python", str(VLLM_TESTS / "upstream_suite.py"), "run", "--version", version)
+    out = _vllm_results(session, version, mode)
+    session.run(*suite, "--mode", mode, "--out", out, *session.posargs, env=env)
+
+
+def _vllm_upstream(session: nox.Session, version: str, env: dict[str, str]) -> None:
+    _vllm_suite(session, version, env, "upstream")
+
+
+def _vllm_patched(session: nox.Session, version: str, env: dict[str, str]) -> None:
+    _vllm_suite(session, version, env, "elastic-off")
+    _vllm_suite(session, version, env, "elastic-on")
+    session.run("pytest", "-q", str(VLLM_TESTS), env=env)
+
+
+def _vllm_compare(session: nox.Session, version: str, env: dict[str, str], patched: bool) -> None:
+    runs = [_vllm_results(session, version, m) for m in (VLLM_MODES if patched else VLLM_MODES[:1])]
+    session.run("python", str(VLLM_TESTS / "upstream_suite.py"), "compare", *runs, env=env)
+
+
+VLLM = _EngineTests(
+    engine="vllm",
+    doc="vLLM {version} tests/v1/core on CPU three ways (upstream, elastic off, elastic on) "
+    "and kvcore's scheduler tests.",
+    fetch_args=(),
+    forked_glob="vllm-{version}+kvcore.*.whl",
+    upstream=_vllm_upstream,
+    patched=_vllm_patched,
+    finish=_vllm_compare,
+)
+
+
+def _test_sessions(spec: _EngineTests) -> list[str]:
+    return [
+        s
+        for rel in MATRIX
+        if rel.name == spec.engine
+        if (s := spec.session(rel.version, rel.short))
+    ]
+
+
+SGLANG_TEST_SESSIONS = _test_sessions(SGLANG)
+VLLM_TEST_SESSIONS = _test_sessions(VLLM)
 
 
 # --- co-location demo (benchmarks/colocate.py): vLLM's real v1 scheduler in two engine-core
