@@ -188,6 +188,11 @@ class BlockLedger:
         """Allocated blocks, reserved ones included."""
         return self._used
 
+    def held_free(self) -> int:
+        """Free blocks on pages this ledger holds: what ``alloc`` can hand out without
+        mapping a page (the part of ``available()`` that costs no memory gate charge)."""
+        return self._free_slots
+
     def page_of(self, block_id: int) -> int:
         """The page id backing ``block_id``."""
         return block_id // self._bpp

@@ -20,9 +20,10 @@ Under one budget the two sides compete for pages: the full side may get its page
 SWA side then miss. Upstream asserts the second allocation succeeds (its free lists are
 static); here every composite allocation is all or nothing: a miss on either side gives
 back what the other side took for this call and returns ``None``, which the scheduler
-handles as upstream's "out of memory" (retract / retry). ``available_size()`` stays
-upstream's ``min(full, swa)``, each side's figure being its own room under the shared
-headroom, so a joint shortfall shows up as such a ``None``.
+handles as upstream's "out of memory" (retract / retry). Under a budget each side's
+``*_available_size()`` counts the shared headroom once, at the joint cost of a token on both
+sides (``_joint_available``), so SGLang's admission and decode checks see the joint room
+before they allocate.
 
 Refused with ``UnsupportedConfiguration`` at start-up: the per-request SWA ring
 (``swa_req_ring_size``), the all-SWA ``PureSWATokenToKVPoolAllocator``, SGLang's unified
@@ -160,6 +161,35 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):  # type: igno
         return full
 
     # -- accounting ------------------------------------------------------------------------
+
+    def full_available_size(self) -> int:
+        return self._joint_available(self.full_attn_allocator, self.swa_attn_allocator)
+
+    def swa_available_size(self) -> int:
+        return self._joint_available(self.swa_attn_allocator, self.full_attn_allocator)
+
+    def available_size(self) -> int:
+        return min(self.full_available_size(), self.swa_available_size())
+
+    def _joint_available(self, side: Any, other: Any) -> int:
+        """Tokens ``side`` can take while the other side grows in step (one token each, as
+        SGLang pages them). Without a budget: the side's own figure. Under the one shared
+        budget each side's own figure counts the whole gate headroom; here it is counted
+        once, at the joint byte cost of a token on both sides, on top of the tokens free on
+        the side's mapped pages (conservative: the other side's free tokens on its mapped
+        pages would need no new page either)."""
+        own = int(side.available_size())
+        if not side._budgeted:
+            return own
+        room = side.kvcore.gate.headroom()
+        if room is None:
+            return own
+        cost = sum(
+            a.kvcore.geometry.page_device_bytes / (a.kvcore.geometry.blocks_per_page * a.page_size)
+            for a in (side, other)
+        )
+        held = side.ledger.held_free() * side.page_size
+        return max(0, min(own, held + int(room // cost)))
 
     def conservation_available_size(self) -> int:
         """The full side's logical free tokens (the scheduler's leak check in elastic mode;

@@ -251,3 +251,28 @@ def test_upstream_pool_is_untouched_without_the_scope() -> None:
     assert not hasattr(s.pool.full_kv_pool, "kvcore_manager")
     assert type(s.alloc) is SWATokenToKVPoolAllocator
     assert PATCHED or s.scope is None
+
+
+@requires_fork
+@requires_cpu_paged_kernels
+def test_available_sizes_count_the_shared_headroom_once(stacks: Any) -> None:
+    quiet = {"reserve_min": 0, "reserve_max": 0}
+    probe = stacks("on", **quiet)
+    probe.mapped()
+    start = probe.scope.gate.gate.held
+    full_page = probe.full.geometry.page_device_bytes  # 128 KiB: 1 layer x K,V
+    swa_page = probe.swa.geometry.page_device_bytes  # 384 KiB: 3 layers x K,V
+    s = stacks("on", limit_bytes=start + full_page + swa_page, **quiet)
+    s.mapped()
+    page_tokens = 16 * PS  # 16 blocks of 16 tokens per page, on both sides
+    held = 15 * PS  # free on each side's block-0 page
+    # the headroom buys one page on each side together: 256 more tokens, not the 4 full
+    # pages (1024 tokens) it would buy the full side alone
+    assert s.alloc.full_available_size() == held + page_tokens
+    assert s.alloc.swa_available_size() == SWA  # the SWA side's logical size binds first
+    assert s.alloc.available_size() == SWA
+    out = s.extend(SWA)
+    assert out is not None
+    assert s.alloc.available_size() == 0
+    assert s.extend(PS) is None
+    s.alloc.free(out)
