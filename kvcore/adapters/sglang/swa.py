@@ -189,7 +189,7 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):  # type: igno
             for a in (side, other)
         )
         held = side.ledger.held_free() * side.page_size
-        return max(0, min(own, held + int(room // cost)))
+        return max(0, min(own, int(held) + int(room // cost)))
 
     def conservation_available_size(self) -> int:
         """The full side's logical free tokens (the scheduler's leak check in elastic mode;
