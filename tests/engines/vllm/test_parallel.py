@@ -79,6 +79,11 @@ from kvcore.gpu_ledger import GpuLedger  # noqa: E402
 
 LAYERS = 4  # attention layers of the model, split over the PP stages (SPEC: 512 B per block)
 LAYOUT = "BLHNC"  # block-outermost: one block id is one row of every layer
+# cuda pages are 2 MiB: 16 KV heads of 128 fp16 -> 128 KiB per layer and block, so a 2 MiB page
+# holds 4 (PP=1) or 8 (PP=2) blocks and the workload still spans several pages
+CUDA_SPEC = iface.FullAttentionSpec(
+    block_size=BLOCK, num_kv_heads=16, head_size=128, dtype=torch.float16
+)
 NUM_BLOCKS = 64
 ANSWER_S = 60.0  # a worker's answer to the test; start-up includes gloo and the first import
 
@@ -128,15 +133,17 @@ def plan(config: VllmConfig, stages: tuple[int, ...] = ()) -> tuple[list[Any], A
     par = config.parallel_config
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
     stages = stages or (LAYERS // pp,) * pp
+    backend = (config.cache_config.kvcore_config or {}).get("backend")
+    spec = SPEC if backend == "host" else CUDA_SPEC
     first = [sum(stages[:s]) for s in range(pp)]
     specs = [
-        {f"model.layers.{first[s] + i}.self_attn.attn": SPEC for i in range(stages[s])}
+        {f"model.layers.{first[s] + i}.self_attn.attn": spec for i in range(stages[s])}
         for s in range(pp)
         for _ in range(tp)
     ]
     register_all_kvcache_specs(config)
     groups = planning.get_global_kv_cache_groups(config, specs)
-    row = max(stages) * SPEC.page_size_bytes
+    row = max(stages) * spec.page_size_bytes
     configs = planning.get_kv_cache_configs(
         config, specs, [(NUM_BLOCKS + 1) * row] * tp * pp, groups
     )
