@@ -138,8 +138,14 @@ def run(version: str, mode: str, work: Path, out: Path, pytest_args: list[str]) 
         VLLM_TARGET_DEVICE="cpu",
         PYTHONHASHSEED="0",
         KVCORE_HOST_DEVICE_BYTES=str(4 << 30),
+        # vLLM caches model-class inspection results under one file name per class for
+        # every vLLM version: a concurrent session of another release overwrites the entry,
+        # and the re-inspection (a subprocess importing the model module) needs torchvision.
+        # A cache per release, and the import-only torchvision stand-in for that subprocess,
+        # make every mode see the same thing.
+        VLLM_CACHE_ROOT=str(work / "vllm-cache"),
+        PYTHONPATH=str(ROOT / "tests" / "engines" / "sglang" / "shim"),
     )
-    env.pop("PYTHONPATH", None)
     cmd = [
         sys.executable,
         "-m",
