@@ -47,7 +47,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -416,9 +416,67 @@ def engine_memory(kv_cache_config: Any) -> ChannelKVMemory:
 # ---------------------------------------------------------------------------- workers
 
 
+class _NullPageFirst:
+    """The ``PageMapper`` a rank's listener serves: its ``LocalPageMapper`` with the null
+    block's page mapped from the start.
+
+    vLLM writes block 0 (its null block) before the scheduler exists: the dummy runs of
+    profiling, warm-up and CUDA graph capture scatter their tokens through a zero-filled slot
+    mapping. So each rank backs that page itself when it makes its buffer, and the engine's
+    first ``map`` naming it (the ledger reserves block 0 when the pool is built) adopts it on
+    every rank instead of mapping it again; from then on it is an ordinary page. Everything
+    else is the inner mapper's."""
+
+    def __init__(self, inner: LocalPageMapper, page: int) -> None:
+        self.inner = inner
+        inner.map([page])
+        self._premapped: set[int] = {page}
+
+    @property
+    def num_pages(self) -> int:
+        return self.inner.num_pages
+
+    @property
+    def page_bytes(self) -> int:
+        return self.inner.page_bytes
+
+    @property
+    def fixed_bytes(self) -> int:
+        return self.inner.fixed_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        return self.inner.held_bytes
+
+    @property
+    def pooled_pages(self) -> int:
+        return self.inner.pooled_pages
+
+    def map(self, page_ids: Sequence[int]) -> None:
+        adopted = self._premapped.intersection(page_ids)
+        self.inner.map([p for p in page_ids if p not in adopted])  # all-or-nothing
+        self._premapped -= adopted
+
+    def prepare_unmap(self, page_ids: Sequence[int]) -> None:
+        self.inner.prepare_unmap(page_ids)
+
+    def commit_unmap(self, page_ids: Sequence[int]) -> None:
+        self.inner.commit_unmap(page_ids)
+
+    def abort_unmap(self, page_ids: Sequence[int]) -> None:
+        self.inner.abort_unmap(page_ids)
+
+    def trim_pool(self) -> None:
+        self.inner.trim_pool()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 class WorkerKVMemory:
     """One rank's KV buffer: a ``VirtualKVCache`` on this worker's device whose pages only
-    the engine's channel maps (a ``WorkerListener`` on its ``LocalPageMapper``).
+    the engine's channel maps (a ``WorkerListener`` on its ``LocalPageMapper``), except the
+    null block's page, backed from the start for vLLM's warm-up (``_NullPageFirst``).
 
     Raises ``BackendUnavailable``/``VmmError`` when the backend cannot be opened or reserve
     the range, ``GeometryError`` when a page cannot hold whole blocks, ``ChannelError`` when
@@ -448,9 +506,10 @@ class WorkerKVMemory:
             self.geometry = layout.geometry
             self.cache = VirtualKVCache(self.backend, self.geometry, sanity=config.sanity)
             self.mapper = LocalPageMapper(self.cache)
+            served = _NullPageFirst(self.mapper, self.geometry.page_of(0))
             publish_device(parallel.channel_dir, rank, self.backend)  # for per-rank ledgers
             self.listener = WorkerListener(
-                self.mapper, rank=rank, channel_dir=parallel.channel_dir
+                served, rank=rank, channel_dir=parallel.channel_dir
             ).start()
         except BaseException:
             self._teardown()

@@ -220,6 +220,9 @@ def _worker(
         buffer.data_ptr() <= t.data_ptr() < buffer.data_ptr() + buffer.numel()
         for t in caches.values()
     )
+    # vLLM's warm-up (dummy runs, CUDA graph capture) writes its null block, block 0, before
+    # the scheduler exists; on the host backend an unbacked page would kill this process here
+    rows[0].fill_(1)
     conn.send(("ready", memory.rank, inside))
     while True:
         op, *args = conn.recv()
@@ -315,11 +318,12 @@ def run_and_check(tp: int, pp: int, backend: str = "host", method: str = "fork")
     try:
         assert sorted(workers.ranks) == list(range(tp * pp)), "vLLM's ranks, each once"
         assert all(workers.views_inside), "vLLM's layer views lie in kvcore's buffer"
+        null_page = [0]  # block 0 is vLLM's null block: backed from the start, stays mapped
+        assert workers.pages() == [null_page] * (tp * pp), "backed before the engine connects"
         scheduler = make_scheduler(config, scheduler_kv)
         pool = pool_of(scheduler)
         bpp = pool.ledger.geometry.blocks_per_page
-        null_page = [0]  # block 0 is vLLM's null block: its page stays mapped
-        assert workers.pages() == [null_page] * (tp * pp)
+        assert workers.pages() == [null_page] * (tp * pp), "the engine adopted it"
 
         lengths = [40, 70, 100, 33, 90, 64]
         for i, n in enumerate(lengths):
