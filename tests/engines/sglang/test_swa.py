@@ -2,9 +2,11 @@
 off and on, against the real SGLang classes.
 
 ``kv_mode`` tests check the contract both ways (SGLang's own buffers and allocator vs
-kvcore's); the others check what kvcore adds: both sub-pools' pages are mapped on demand and
-unmapped on free / window slide, both charge the rank's one gate, and a budget that fits the
-full side but not the SWA side yields ``None`` with nothing held.
+kvcore's), SWA eviction through SGLang's serving radix cache (``UnifiedRadixCache`` with
+full and SWA components) included; the others check what kvcore adds: both sub-pools' pages
+are mapped on demand and unmapped on free / window slide / eviction, both charge the rank's
+one gate, available sizes count the shared headroom once, and a budget that fits the full
+side but not the SWA side yields ``None`` with nothing held.
 """
 
 from __future__ import annotations
@@ -276,3 +278,51 @@ def test_available_sizes_count_the_shared_headroom_once(stacks: Any) -> None:
     assert s.alloc.available_size() == 0
     assert s.extend(PS) is None
     s.alloc.free(out)
+
+
+def swa_radix(s: Stack, window: int) -> Any:
+    """SGLang's serving radix cache (``UnifiedRadixCache``) with full and SWA components."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    req = ReqToTokenPool(size=8, max_context_len=4096, device="cpu", enable_memory_saver=False)
+    return UnifiedRadixCache(
+        CacheInitParams(
+            disable=False,
+            req_to_token_pool=req,
+            token_to_kv_pool_allocator=s.alloc,
+            page_size=PS,
+            sliding_window_size=window,
+            tree_components=(ComponentType.FULL, ComponentType.SWA),
+        )
+    )
+
+
+@requires_cpu_paged_kernels
+def test_radix_swa_eviction_frees_the_swa_side_first(kv_mode: str, stacks: Any) -> None:
+    pytest.importorskip("sglang.srt.mem_cache.unified_radix_cache")
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    s = stacks(kv_mode, reserve_min=0, reserve_max=0)  # (kvcore options: used when on)
+    tree = swa_radix(s, window=64)
+    out = s.extend(16 * PS)
+    tree.insert(InsertParams(key=RadixKey(token_ids=array("q", range(1000, 1256))), value=out))
+    assert tree.swa_evictable_size() == tree.full_evictable_size() == 16 * PS
+    got = tree.evict(EvictParams(num_tokens=0, swa_num_tokens=8 * PS))
+    assert got.num_tokens_evicted == 0 and got.swa_num_tokens_evicted >= 8 * PS
+    swa_freed = got.swa_num_tokens_evicted
+    assert s.alloc.swa_available_size() == SWA - 16 * PS + swa_freed
+    assert s.alloc.full_available_size() == FULL - 16 * PS
+    if kv_mode == "on":  # SWA blocks went back to the SWA ledger only
+        assert s.swa.ledger.used() == 1 + 16 - swa_freed // PS
+        assert s.full.ledger.used() == 1 + 16
+    got = tree.evict(EvictParams(num_tokens=16 * PS))
+    assert got.num_tokens_evicted == 16 * PS
+    assert (s.alloc.full_available_size(), s.alloc.swa_available_size()) == (FULL, SWA)
+    if kv_mode == "on":
+        assert s.mapped() == (1, 1)
