@@ -160,6 +160,12 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):  # type: igno
         self.full_to_swa_index_mapping[full] = swa
         return full
 
+    def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> None:
+        """SGLang's pre-allocation eviction (both sides), after first evicting the prefix
+        cache down to ``max_cached_tokens`` (``--kvcore-config``; full-side tokens)."""
+        self.full_attn_allocator.enforce_cache_bound(tree_cache)
+        super().evict_to_free_tokens(tree_cache, num_tokens)
+
     # -- accounting ------------------------------------------------------------------------
 
     def full_available_size(self) -> int:

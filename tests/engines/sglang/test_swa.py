@@ -326,3 +326,21 @@ def test_radix_swa_eviction_frees_the_swa_side_first(kv_mode: str, stacks: Any) 
     assert (s.alloc.full_available_size(), s.alloc.swa_available_size()) == (FULL, SWA)
     if kv_mode == "on":
         assert s.mapped() == (1, 1)
+
+
+@requires_fork
+@requires_cpu_paged_kernels
+def test_cached_token_bound_holds_for_the_swa_allocator(stacks: Any) -> None:
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    s = stacks("on", max_cached_tokens=4 * PS)
+    tree = swa_radix(s, window=64)
+    out = s.extend(16 * PS)
+    tree.insert(InsertParams(key=RadixKey(token_ids=array("q", range(1000, 1256))), value=out))
+    assert tree.full_evictable_size() == 16 * PS
+    s.alloc.evict_to_free_tokens(tree, PS)  # SGLang calls this before every allocation
+    assert tree.full_evictable_size() <= 4 * PS
+    assert s.full.ledger.used() <= 1 + 4
