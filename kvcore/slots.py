@@ -181,6 +181,34 @@ class SlotStates:
         """The slots taken now (reserved ones excluded), ascending."""
         return [s for s in range(self.slots) if self._taken[s] and s not in self._pinned]
 
+    def available(self) -> int:
+        """Slots ``take`` could hand out now: the free count, or under a gate with a
+        ``headroom()`` the free slots (lowest first, as ``take`` picks them) whose new pages
+        that headroom pays for. Pages queued for unmap count as new (conservative)."""
+        room_of = getattr(self.gate, "headroom", None)
+        room = room_of() if callable(room_of) else None
+        if not isinstance(room, int):
+            return len(self._free)
+        with self._lock:
+            order = sorted(self._free)
+        counted: list[set[int]] = [set() for _ in self._parts]
+        n = 0
+        for slot in order:
+            cost = 0
+            for part, seen in zip(self._parts, counted, strict=True):
+                j = slot // part.per_page
+                if part.uses[j] == 0 and j not in seen:
+                    cost += part.layers * part.geometry.page_bytes
+            if cost > room:
+                break
+            room -= cost
+            for part, seen in zip(self._parts, counted, strict=True):
+                j = slot // part.per_page
+                if part.uses[j] == 0:
+                    seen.add(j)
+            n += 1
+        return n
+
     def free_slots(self) -> list[int]:
         """The free slot ids, ascending."""
         return sorted(self._free)

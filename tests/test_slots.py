@@ -120,6 +120,7 @@ def test_take_is_all_or_nothing_across_states() -> None:
         first = s.take(n - 1)  # fits slot 0's pages
         assert first is not None
         held = gate.held
+        assert s.available() == 0  # every free slot needs a page the budget cannot pay
         assert s.take(2) is None  # slot n is on page 1: refused
         assert gate.held == held and s.free_count() == SLOTS - n
         s.give(first)
@@ -211,3 +212,25 @@ def test_two_per_layer_kv_caches_on_one_gate_write_and_read(backend: str) -> Non
             for obj in objs:
                 obj.close()
         b.close()
+
+
+def test_available_counts_the_slots_the_headroom_pays_for() -> None:
+    probe = open_states("host")
+    fixed = probe.gate.held  # type: ignore[attr-defined]
+    ssm_page = LAYERS * probe._parts[1].geometry.page_bytes
+    probe.close()
+    s = open_states("host", BudgetGate(fixed + 2 * ssm_page))
+    try:
+        n = ssm_per_page(s)
+        # slot 0's page holds n - 1 free slots; the headroom pays two more SSM pages
+        assert s.available() == (n - 1) + 2 * n
+        got = s.take(s.available())
+        assert got is not None and s.available() == 0 and s.take(1) is None
+        s.give(got)
+    finally:
+        s.close()
+    unlimited = open_states("host")
+    try:
+        assert unlimited.available() == SLOTS - 1  # no headroom figure: the free count
+    finally:
+        unlimited.close()

@@ -14,8 +14,9 @@ rank's one gate (``SharedGate``) with the KV pools. Slot 0, SGLang's dummy slot,
 mapped.
 
 ``ElasticMambaSlotAllocator`` is SGLang's ``MambaSlotAllocator`` over that state: the lowest
-free slots first (so slots share pages), ``None`` when slots or pages are short (a physical
-miss under the budget looks like a full pool).
+free slots first (so slots share pages), ``None`` when slots or pages are short; under a
+budget ``available_size()`` counts only the slots whose pages the headroom pays for, so
+admission sees the shortage first (a miss past it looks like a full pool).
 
 Seam. SGLang 0.5.23 allocates the state with ``torch.zeros`` inside ``MambaPool.__init__``
 and builds the slot allocator in ``HybridReqToTokenPool._init_mamba_pool``; the patch series
@@ -67,7 +68,9 @@ class ElasticMambaSlotAllocator(MambaSlotAllocator):  # type: ignore[misc]
         return torch.tensor(self.state.free_slots(), dtype=torch.int64, device=self.device)
 
     def available_size(self) -> int:
-        return self.state.free_count()
+        """Free slots, or under a budget those whose pages the headroom pays for, so
+        SGLang's admission sees a physical shortage before ``alloc`` misses."""
+        return self.state.available()
 
     def _do_alloc(self, need_size: int) -> torch.Tensor | None:
         slots = self.state.take(need_size)
