@@ -22,8 +22,10 @@ per-id Python work is bounded by the pages touched, not the ids: ``alloc`` hands
 taken whole (and a run of consecutive fresh pages) with list and ``bytearray`` slice
 operations; ``free`` of many ids sorts them and checks and writes each page's share at once
 (a contiguous share with one ``bytearray.count`` and one slice write; a page it empties
-with one slice write and no stack work). ``benchmarks/ledger_alloc.py`` measures it, and
-``benchmarks/sglang_alloc.py`` in an engine's allocator.
+with one slice write and no stack work); distinct ids forming one run (and ``free_range``,
+for a caller that holds them as a run) are checked with one count for all. ``alloc`` makes
+no page-allocator call while the partly used pages suffice. ``benchmarks/ledger_alloc.py``
+measures it, and ``benchmarks/sglang_alloc.py`` in an engine's allocator.
 """
 
 from __future__ import annotations
@@ -149,18 +151,19 @@ class BlockLedger:
                 return []
             raise ValueError(f"block ledger: cannot allocate {n} blocks")
         with self._lock:
-            fresh: list[int] = []
-            if n > self._free_slots:
-                fresh = self._acquire_pages(n - self._free_slots) or []
-                if not fresh:
-                    return None
+            free_slots = self._free_slots
             out: list[int] = []
-            remaining = self._take_partly_used(out, n) if self._nonempty else n
-            if remaining:
-                used = self._take_fresh(out, remaining, fresh)
-                if used < len(fresh):  # over-covered by a short last page: give it back
-                    self._pages.release(fresh[used:])
-            self._free_slots -= n
+            if n <= free_slots:  # the partly used pages suffice: no page-allocator call
+                self._take_partly_used(out, n)
+                self._free_slots = free_slots - n
+            else:
+                fresh = self._acquire_pages(n - free_slots)
+                if fresh is None:
+                    return None
+                if free_slots:  # every partly used page, taken whole
+                    self._take_partly_used(out, free_slots)
+                self._free_slots = 0
+                self._take_fresh(out, n - free_slots, fresh)
             self._used += n
             return out
 
@@ -174,6 +177,24 @@ class BlockLedger:
             if len(block_ids) >= _BY_PAGE_MIN and self._free_by_page(block_ids, fence):
                 return
             self._free_each(block_ids, fence)
+
+    def free_range(self, first: int, count: int, fence: int | None = None) -> None:
+        """``free(range(first, first + count), fence)`` without building or checking a list
+        of ids: for a caller that holds its ids as one contiguous run (SGLang's sorted,
+        deduplicated page ids of a request). One count checks the whole run and one slice
+        write frees it. Raises ``InvalidTransition`` naming the first id that is not
+        freeable, with nothing changed, like ``free``."""
+        if count <= 0:
+            if count == 0:
+                return
+            raise ValueError(f"block ledger: cannot free {count} blocks")
+        with self._lock:
+            if (
+                first < 0
+                or first + count > self._num_blocks
+                or not self._free_run(first, count, fence)
+            ):
+                self._free_each(range(first, first + count), fence)
 
     def available(self) -> int:
         """Blocks ``alloc`` could hand out now: free blocks on held pages plus the blocks of
@@ -238,19 +259,24 @@ class BlockLedger:
 
     def _acquire_pages(self, blocks: int) -> list[int] | None:
         """Fresh pages covering ``blocks`` more blocks (the last page of the geometry may
-        hold fewer than ``blocks_per_page``), or ``None`` with nothing kept."""
-        capacity = self._capacity
+        hold fewer than ``blocks_per_page``) in ascending order, or ``None`` with nothing
+        kept."""
         bpp = self._bpp
-        got: list[int] = []
-        covered = 0
-        while covered < blocks:
+        got = self._pages.acquire(-(-blocks // bpp))
+        if got is None:
+            return None
+        got.sort()  # ascending: consecutive pages make one run of block ids
+        if not self._short_last:
+            return got
+        capacity = self._capacity
+        covered = sum(capacity[p] for p in got)
+        while covered < blocks:  # the short last page came with them: ask for more
             more = self._pages.acquire(-(-(blocks - covered) // bpp))
             if more is None:
-                if got:
-                    self._pages.release(got)
+                self._pages.release(got)
                 return None
             got += more
-            covered += sum(capacity[p] for p in more) if self._short_last else len(more) * bpp
+            covered += sum(capacity[p] for p in more)
         return got
 
     def _take_partly_used(self, out: list[int], n: int) -> int:
@@ -291,98 +317,130 @@ class BlockLedger:
                 n = 0
         return n
 
-    def _take_fresh(self, out: list[int], n: int, fresh: list[int]) -> int:
-        """Append ``n`` blocks of the ``fresh`` pages (in their order) to ``out``; returns
-        how many of them it used. A run of consecutive pages taken whole costs one range and
-        one slice write; a page taken in part keeps its upper blocks on its free stack."""
+    def _take_fresh(self, out: list[int], n: int, fresh: list[int]) -> None:
+        """Append ``n`` blocks of the ``fresh`` pages (in their order) to ``out`` and give
+        back the pages it did not need (a short last page over-covered). A run of
+        consecutive pages taken whole costs one range and one slice write; a page taken in
+        part keeps its upper blocks on its free stack. Caller holds ``_lock``."""
         state = self._state
         capacity = self._capacity
         bucket_of = self._bucket_of
         bpp = self._bpp
-        i = 0
         count = len(fresh)
+        i = 0
         while n:
-            p = q = fresh[i]
-            start = end = p * bpp
-            while i < count and fresh[i] == q and end + capacity[q] - start <= n:
-                end += capacity[q]
-                bucket_of[q] = 0
-                q += 1
-                i += 1
-            if end > start:
-                k = end - start
-                out += range(start, end)
-                state[start:end] = _ALLOCATED_BYTE * k
-                self._free_slots += k
-                n -= k
-            else:  # only part of page p: its lowest blocks now, the others on its stack
-                cap = capacity[p]
+            p = fresh[i]
+            start = p * bpp
+            cap = capacity[p]
+            i += 1
+            if n < cap:  # only part of page p: its lowest blocks now, the others on its stack
                 out += range(start, start + n)
                 state[start : start + n] = _ALLOCATED_BYTE * n
                 self._stacks[p] = list(range(start + cap - 1, start + n - 1, -1))
-                self._free_slots += cap
+                self._free_slots += cap - n
                 self._bucket_add(p, cap - n)
+                break
+            bucket_of[p] = 0
+            end = start + cap
+            n -= cap
+            while n and i < count:  # the next page continues the run and is taken whole
+                q = fresh[i]
+                cap = capacity[q]
+                if q * bpp != end or n < cap:
+                    break
+                bucket_of[q] = 0
+                end += cap
+                n -= cap
                 i += 1
-                n = 0
-        return i
+            out += range(start, end)
+            state[start:end] = _ALLOCATED_BYTE * (end - start)
+        if i < count:
+            self._pages.release(fresh[i:])
 
     def _free_by_page(self, block_ids: Sequence[int], fence: int | None) -> bool:
         """``free`` for many ids at once, page by page: the ids are sorted, each page's share
         is checked (a contiguous share with one ``bytearray.count``) and written (a page
         that empties, or a contiguous share, with one slice write). Returns ``False`` with
-        nothing changed when any id is not freeable: ``_free_each`` then names it."""
+        nothing changed when any id is not freeable: ``_free_each`` then names it. Caller
+        holds ``_lock``."""
         ids = sorted(block_ids)
         n = len(ids)
-        if ids[0] < 0 or ids[-1] >= self._num_blocks or len(set(ids)) != n:
+        last = ids[-1]
+        # distinct ids: a sorted share spanning as many ids as it names is then contiguous
+        if ids[0] < 0 or last >= self._num_blocks or len(set(ids)) != n:
             return False
         state = self._state
+        if last - ids[0] == n - 1:  # distinct and sorted: one contiguous run
+            return self._free_run(ids[0], n, fence)
         bpp = self._bpp
-        shares: list[tuple[int, int, int]] = []  # (page, start, end) of ids[start:end]
+        ends: list[int] = []  # page shares: ids[previous end : end] sit on one page
         i = 0
         while i < n:
             a = ids[i]
-            p = a // bpp
-            j = bisect_left(ids, (p + 1) * bpp, i)
-            if ids[j - 1] - a == j - i - 1:  # distinct and sorted: a contiguous run
-                if state.count(_ALLOCATED, a, a + j - i) != j - i:
+            top = (a // bpp + 1) * bpp  # the next page's first block
+            j = n if last < top else bisect_left(ids, top, i)
+            k = j - i
+            if ids[j - 1] - a == k - 1:  # a contiguous share: one count
+                if state.count(_ALLOCATED, a, a + k) != k:
                     return False
-            elif any(state[b] != _ALLOCATED for b in ids[i:j]):
-                return False
-            shares.append((p, i, j))
+            else:
+                for b in ids[i:j]:
+                    if state[b] != _ALLOCATED:
+                        return False
+            ends.append(j)
             i = j
         self._used -= n
-        self._free_slots += n
+        free_slots = self._free_slots + n
         stacks = self._stacks
-        capacity = self._capacity
-        buckets = self._buckets
-        bucket_of = self._bucket_of
         emptied: list[int] = []
-        for p, i, j in shares:
-            k = j - i
-            stack = stacks[p]
-            was = bucket_of[p]
-            now = len(stack) + k
-            if was:
-                bucket = buckets[was]
-                del bucket[p]
-                if not bucket:
-                    self._nonempty &= ~(1 << was)
-            if now == capacity[p]:  # no block left on the page (reserved ones never leave)
-                first = p * bpp
-                state[first : first + now] = bytes(now)
-                stacks[p] = []
-                bucket_of[p] = _NOT_HELD
-                self._free_slots -= now
-                emptied.append(p)
-                continue
+        i = 0
+        for j in ends:
             a = ids[i]
+            k = j - i
             if ids[j - 1] - a == k - 1:
                 state[a : a + k] = bytes(k)
             else:
                 for b in ids[i:j]:
                     state[b] = _FREE
-            stack += ids[i:j]
-            self._bucket_add(p, now)
+            p = a // bpp
+            now = len(stacks[p]) + k
+            if self._rebucket(p, now):
+                free_slots -= now
+                emptied.append(p)
+            else:
+                stacks[p] += ids[i:j]
+            i = j
+        self._free_slots = free_slots
+        if emptied:
+            self._pages.release(emptied, fence)
+        return True
+
+    def _free_run(self, first: int, n: int, fence: int | None) -> bool:
+        """``_free_by_page`` for the distinct ids ``first .. first+n-1`` (a request's blocks,
+        SGLang's sorted page ids): one count checks them all, one slice write frees them,
+        and a page they empty costs no stack work. ``False`` with nothing changed when one
+        is not allocated. Caller holds ``_lock``."""
+        state = self._state
+        end = first + n
+        if state.count(_ALLOCATED, first, end) != n:
+            return False
+        state[first:end] = bytes(n)
+        self._used -= n
+        free_slots = self._free_slots + n
+        bpp = self._bpp
+        stacks = self._stacks
+        emptied: list[int] = []
+        lo = first
+        for p in range(first // bpp, (end - 1) // bpp + 1):
+            hi = min((p + 1) * bpp, end)
+            now = len(stacks[p]) + hi - lo
+            if self._rebucket(p, now):
+                free_slots -= now
+                emptied.append(p)
+            else:
+                stacks[p] += range(lo, hi)
+            lo = hi
+        self._free_slots = free_slots
         if emptied:
             self._pages.release(emptied, fence)
         return True
@@ -416,32 +474,35 @@ class BlockLedger:
         self._used -= n
         self._free_slots += n
         emptied: list[int] = []
-        capacity = self._capacity
-        buckets = self._buckets
         bucket_of = self._bucket_of
         for p in touched:
             was = bucket_of[p]
             now = len(stacks[p])
             if was in (now, _NOT_HELD):
                 continue  # seen (or emptied) earlier in this loop
-            if was:
-                bucket = buckets[was]
-                del bucket[p]
-                if not bucket:
-                    self._nonempty &= ~(1 << was)
-            if now == capacity[p]:
-                stacks[p] = []
-                bucket_of[p] = _NOT_HELD
+            if self._rebucket(p, now):
                 self._free_slots -= now
                 emptied.append(p)
-            else:
-                bucket = buckets[now]
-                if not bucket:
-                    self._nonempty |= 1 << now
-                bucket[p] = None
-                bucket_of[p] = now
         if emptied:
             self._pages.release(emptied, fence)
+
+    def _rebucket(self, page: int, free: int) -> bool:
+        """A ``free`` left ``page`` with ``free`` free blocks: move it to that bucket, or,
+        when no block is left on it (reserved ones never leave), stop holding it and return
+        ``True``: the caller takes its blocks off ``_free_slots`` and releases it. Caller
+        holds ``_lock``."""
+        was = self._bucket_of[page]
+        if was:
+            bucket = self._buckets[was]
+            del bucket[page]
+            if not bucket:
+                self._nonempty &= ~(1 << was)
+        if free == self._capacity[page]:
+            self._stacks[page] = []
+            self._bucket_of[page] = _NOT_HELD
+            return True
+        self._bucket_add(page, free)
+        return False
 
     def _bucket_add(self, page: int, free: int) -> None:
         bucket = self._buckets[free]

@@ -75,7 +75,7 @@ import heapq
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -228,6 +228,8 @@ class PageAllocator:
             )
         self._mapper = mapper
         self._gate: MemoryGate = gate if gate is not None else UnlimitedGate()
+        headroom = getattr(self._gate, "headroom", None)  # optional beyond MemoryGate
+        self._headroom: Callable[[], int | None] | None = headroom if callable(headroom) else None
         self._num_pages = num_pages
         self._page_bytes = mapper.page_bytes
         self._reserve_min = reserve_min
@@ -312,7 +314,8 @@ class PageAllocator:
                 return []
             raise ValueError(f"page allocator: cannot acquire {n} pages")
         with self._lock:
-            self._check_usable()
+            if self._failure is not None or self._closed:
+                self._check_usable()
             self._refill_paused = False
             reserve = self._reserve
             if n > self._demand and self._reserve_min:  # a larger burst: the target follows
@@ -320,7 +323,11 @@ class PageAllocator:
             if len(reserve) >= n:  # the hot path: no mapper or gate call
                 ids = reserve[-n:]
                 del reserve[-n:]
-                self._move(ids, _RESERVED, _IN_USE)
+                state = self._state
+                for p in ids:
+                    if state[p] != _RESERVED:
+                        self._fail_locked(f"reserve page {p} is {_name(state[p])}, not RESERVED")
+                    state[p] = _IN_USE
                 self._reserve_dirty = True
                 if len(reserve) < self._refill_goal:
                     self._wake.notify()
@@ -421,10 +428,12 @@ class PageAllocator:
         page not in use or named twice, ``PoolFailed`` once failed.
         """
         with self._lock:
-            self._check_usable()
+            if self._failure is not None or self._closed:
+                self._check_usable()
             state = self._state
+            num_pages = self._num_pages
             for i, p in enumerate(page_ids):
-                if not 0 <= p < self._num_pages or state[p] != _IN_USE:
+                if not 0 <= p < num_pages or state[p] != _IN_USE:
                     if not 0 <= p < self._num_pages:
                         shown = "out of range"
                     elif state[p] == _RELEASING:
@@ -519,11 +528,12 @@ class PageAllocator:
         the mapper's pool or the gate would still admit (``gate.headroom()`` where the gate
         has one). An upper bound: the device itself may still run out."""
         with self._lock:
-            self._check_usable()
+            if self._failure is not None or self._closed:
+                self._check_usable()
             ready = len(self._reserve) + len(self._unmap_queue)
             free = len(self._free)
-        headroom = getattr(self._gate, "headroom", None)
-        room = headroom() if callable(headroom) else None
+        headroom = self._headroom
+        room = headroom() if headroom is not None else None
         if isinstance(room, int):
             free = min(free, self._pooled + max(room, 0) // self._page_bytes)
         return ready + free

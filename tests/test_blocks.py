@@ -164,6 +164,82 @@ def test_a_large_free_of_one_contiguous_run_checks_every_id(stack: MemStack) -> 
     assert ledger.used() == 1 and stack.pages.stats().in_use == 1
 
 
+def test_alloc_from_partly_used_pages_makes_no_page_call_and_a_refused_page_changes_nothing(
+    backend: str,
+) -> None:
+    """alloc's fast path (the partly used pages suffice) neither acquires nor maps a page;
+    when they do not suffice and the gate refuses the fresh page, the slow path misses with
+    every partly used block still free, and the fast path then hands out exactly those."""
+    gate = BudgetGate(limit=0)
+    stack = build_stack(backend, num_blocks=32, blocks_per_page=BPP, gate=gate)
+    try:
+        gate.limit = 2 * stack.pages.page_bytes
+        ledger = stack.ledger()
+        ids = ledger.alloc(8)  # two full pages: the whole budget
+        assert ids is not None
+        p0, p1 = sorted(pages_of(ledger, ids))
+        on = {p: sorted(b for b in ids if ledger.page_of(b) == p) for p in (p0, p1)}
+        ledger.free(on[p0][:1] + on[p1][:2])  # p0: 1 free slot, p1: 2
+        calls = stack.pages.stats().caller_mapper_calls
+        assert ledger.alloc(4) is None  # 3 free slots + a fresh page the gate refuses
+        assert ledger.used() == 5 and ledger.available() == 3
+        assert stack.pages.stats().in_use == 2 and gate.held == 2 * stack.pages.page_bytes
+        assert not any(ledger.is_allocated(b) for b in on[p0][:1] + on[p1][:2])
+        calls = stack.pages.stats().caller_mapper_calls
+        got = ledger.alloc(3)  # the fast path: p0's slot first (fullest), then p1's
+        assert got is not None and got[0] == on[p0][0] and sorted(got[1:]) == on[p1][:2]
+        assert stack.pages.stats().caller_mapper_calls == calls
+        assert ledger.used() == 8 and ledger.available() == 0 and ledger.alloc(1) is None
+        ledger.free(ids)
+        assert ledger.used() == 0 and stack.pages.stats().in_use == 0
+    finally:
+        stack.close()
+
+
+def test_free_range_frees_a_run_across_pages_like_free(stack: MemStack) -> None:
+    ledger = stack.ledger(reserved_blocks=(0,))
+    ids = ledger.alloc(14)  # blocks 1..14: the rest of page 0, pages 1 and 2, half of page 3
+    assert ids is not None and sorted(ids) == list(range(1, 15))
+    ledger.free_range(2, 9)  # 2..10: page 0 partly, page 1 whole, page 2 partly
+    assert ledger.used() == 6
+    assert [b for b in range(16) if ledger.is_allocated(b)] == [0, 1, 11, 12, 13, 14]
+    assert stack.pages.state(1) is not PageState.IN_USE  # emptied: given back
+    assert {stack.pages.state(p) for p in (0, 2, 3)} == {PageState.IN_USE}
+    again = ledger.alloc(3)  # the freed slots of the partly used pages, fullest first
+    assert again is not None and sorted(again) == [2, 3, 15]
+    ledger.free_range(0, 0)  # an empty run: nothing
+    ledger.free(again)
+    ledger.free_range(11, 4)  # pages 2 and 3 empty
+    ledger.free_range(1, 1)
+    assert ledger.used() == 1 and stack.pages.stats().in_use == 1
+
+
+def test_free_range_with_an_id_not_freeable_raises_naming_it_and_changes_nothing(
+    stack: MemStack,
+) -> None:
+    ledger = stack.ledger(reserved_blocks=(0,))
+    ids = ledger.alloc(11)
+    assert ids is not None and sorted(ids) == list(range(1, 12))
+    ledger.free([6])
+    cases = [
+        ((1, 11), "block 6: not allocated"),  # a freed id inside the run
+        ((0, 4), "block 0: it is reserved"),
+        ((9, 4), "block 12: not allocated"),  # runs past the allocated blocks
+        ((32, 2), "block 32: out of range"),
+        ((-1, 3), "block -1: out of range"),
+    ]
+    for (first, count), message in cases:
+        with pytest.raises(InvalidTransition, match=message):
+            ledger.free_range(first, count)
+        assert ledger.used() == 11
+        assert [b for b in range(12) if ledger.is_allocated(b)] == [b for b in range(12) if b != 6]
+    with pytest.raises(ValueError):
+        ledger.free_range(1, -1)
+    ledger.free_range(7, 5)
+    ledger.free_range(1, 5)
+    assert ledger.used() == 1 and stack.pages.stats().in_use == 1
+
+
 def test_reserved_blocks_keep_their_page_mapped_for_good(stack: MemStack) -> None:
     ledger = stack.ledger(reserved_blocks=(0,))
     assert stack.pages.state(0) is PageState.IN_USE and 0 in stack.mapped_pages()
@@ -345,7 +421,7 @@ def test_blocks_in_use_stay_mapped_and_keep_their_data(
 
 BIG_OPS = st.lists(
     st.tuples(
-        st.sampled_from(["alloc", "free", "free-sorted", "free-bad"]),
+        st.sampled_from(["alloc", "free", "free-sorted", "free-bad", "free-range"]),
         st.integers(min_value=1, max_value=30),
         st.randoms(use_true_random=False),
     ),
@@ -394,6 +470,15 @@ def test_large_alloc_and_free_keep_placement_checks_and_pages_exact(
                 if emptied_first and untouched:  # fullest (fewest free slots) first
                     assert max(emptied_first) <= min(untouched)
                 assert sum(1 for p in partly if 0 < taken[p] < free_slots[p]) <= 1
+            elif op == "free-range":  # the longest allocated run from a random start, <= n
+                if not allocated:
+                    continue
+                first = rnd.choice(sorted(allocated))
+                count = 1
+                while count < n and first + count in allocated:
+                    count += 1
+                ledger.free_range(first, count)
+                allocated -= set(range(first, first + count))
             elif op in ("free", "free-sorted"):
                 victims = rnd.sample(sorted(allocated), min(n, len(allocated)))
                 if op == "free-sorted":
