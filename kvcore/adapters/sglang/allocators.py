@@ -41,6 +41,7 @@ from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.utils import get_num_new_pages, next_power_of_2
 
+from kvcore.adapters.sglang import eviction
 from kvcore.errors import UnsupportedConfiguration
 
 if TYPE_CHECKING:
@@ -115,6 +116,14 @@ class _ElasticMixin:
             return self.ledger.available()
         return self.ledger.geometry.num_blocks - self.ledger.used()
 
+    def kvcore_step(self) -> None:
+        """Called by the patched scheduler once per iteration, on every rank in lockstep:
+        where the ranks agree a physical budget (``kvcore.agreement.AgreedLedger``), refresh
+        the agreed room while the budget binds; nothing otherwise."""
+        step = getattr(self.ledger, "step", None)
+        if step is not None:
+            step()
+
     def conservation_available_size(self) -> int:
         """Tokens the ledger holds free (logical, not capped by the physical budget): the
         ``available`` term of the scheduler's "available + evictable + protected = total"
@@ -135,7 +144,12 @@ class _ElasticMixin:
         return int(tree_cache.evict(EvictParams(num_tokens=excess)).num_tokens_evicted)
 
     def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> bool | None:
-        """SGLang's pre-allocation eviction, after first enforcing the cache bound."""
+        """SGLang's pre-allocation eviction, after first enforcing the cache bound. The first
+        call for a tree makes its eviction order page-aware where the tree is Python
+        (``kvcore.adapters.sglang.eviction.install``)."""
+        if tree_cache is not None and tree_cache is not getattr(self, "_evicting", None):
+            self._evicting = tree_cache
+            eviction.install(tree_cache, self)
         self.enforce_cache_bound(tree_cache)
         return super().evict_to_free_tokens(tree_cache, num_tokens)  # type: ignore[misc,no-any-return]
 

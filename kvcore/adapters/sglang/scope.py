@@ -14,7 +14,10 @@ The patch series adds three seams to SGLang and this module is what they call:
   ``mamba_buffers`` / ``mamba_allocator`` give a ``MambaPool`` its conv/SSM state and slot
   allocator from kvcore (``kvcore.adapters.sglang.mamba``).
 
-Everything here runs in the process of one TP rank and touches only that rank's memory.
+Everything here runs in the process of one TP rank and touches only that rank's memory:
+no page operation crosses ranks. With a physical budget at TP > 1 the ranks' allocation
+outcomes and physical room are agreed over the attention-TP CPU group
+(``kvcore.agreement.AgreedLedger``), so their schedulers stay in step.
 Unsupported pool configurations raise ``UnsupportedConfiguration`` naming the setting.
 """
 
@@ -32,6 +35,7 @@ from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.sglang.allocators import elastic_allocator
 from kvcore.adapters.sglang.mamba import build_mamba_state, elastic_mamba_allocator
 from kvcore.adapters.sglang.manager import ElasticKVManager
+from kvcore.agreement import AgreedLedger, RankAgreement, TorchGroupAgreement
 from kvcore.errors import UnsupportedConfiguration
 from kvcore.gate_share import SharedGate
 from kvcore.slots import SlotStates
@@ -48,7 +52,9 @@ class ElasticScope:
 
     ``config`` is the ``--kvcore-config`` value (dict, JSON or ``None``) or an
     ``ElasticConfig``. Managers created inside stay alive after the scope closes (the pools
-    use them) and are closed by ``close()`` or at interpreter exit.
+    use them) and are closed by ``close()`` or at interpreter exit. ``agreement``: how this
+    rank agrees allocation outcomes with its peers (``kvcore.agreement``); by default the
+    attention-TP CPU group when a physical budget is set at TP > 1, else none.
     """
 
     def __init__(
@@ -56,9 +62,11 @@ class ElasticScope:
         config: ElasticConfig | dict[str, Any] | str | None,
         *,
         device_index: int = 0,
+        agreement: RankAgreement | None = None,
     ) -> None:
         self.config = config if isinstance(config, ElasticConfig) else ElasticConfig.parse(config)
         self.device_index = device_index
+        self.agreement = agreement
         self.managers: list[ElasticKVManager] = []
         self.mamba_states: list[SlotStates] = []
         # one budget for every pool of this rank (hybrid SWA sub-pools, KV + Mamba state)
@@ -129,8 +137,16 @@ class ElasticScope:
 
     def allocator(self, upstream: Any) -> Any:
         """The elastic equivalent of the allocator SGLang built over a kvcore pool (see
-        ``kvcore.adapters.sglang.allocators.elastic_allocator``)."""
-        return elastic_allocator(upstream)
+        ``kvcore.adapters.sglang.allocators.elastic_allocator``); with an agreement (see the
+        class), its ledgers are wrapped in ``AgreedLedger`` (a collective: every rank calls
+        this at the same point)."""
+        alloc = elastic_allocator(upstream)
+        agreement = self.agreement if self.agreement is not None else _tp_agreement(self.config)
+        if agreement is not None:
+            for elastic in _elastic_parts(alloc):
+                if not isinstance(elastic.ledger, AgreedLedger):
+                    elastic.ledger = AgreedLedger(elastic.ledger, agreement)
+        return alloc
 
     def mamba_buffers(self, pool: Any, **shapes: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
         """``MambaPool``'s conv states and temporal state from kvcore (the series'
@@ -198,16 +214,18 @@ class ElasticScope:
         """SGLang's TP ranks each run the same scheduler on the same inputs and must take the
         same decisions. Without a physical budget every rank's capacity is the ledger's
         logical count (identical on all ranks; a device shortage fails loudly on the rank
-        that hits it). A budget (``limit_bytes``, ``gpu_ledger``) makes capacity depend on
-        each GPU's own state, which would need a per-step agreement across ranks that this
-        adapter does not implement yet: refuse it."""
+        that hits it). With one (``limit_bytes``, ``gpu_ledger``) the attention-TP ranks
+        agree every allocation and their physical room (``allocator``). Pipeline stages
+        run schedulers of their own whose lockstep this adapter does not rely on: a budget
+        at PP > 1 is refused."""
         budget = self.config.limit_bytes is not None or self.config.gpu_ledger
         tp, pp = _parallel_sizes()
-        if budget and tp * pp > 1:
+        if budget and pp > 1:
             raise UnsupportedConfiguration(
                 f"kvcore elastic KV with a physical budget (limit_bytes / gpu_ledger) at "
-                f"TP {tp} x PP {pp}: the ranks' admission decisions would diverge",
-                hint="drop limit_bytes and gpu_ledger from --kvcore-config, or run on one GPU",
+                f"TP {tp} x PP {pp}: pipeline stages' allocations are not agreed",
+                hint="drop limit_bytes and gpu_ledger from --kvcore-config, or run without "
+                "pipeline parallelism",
             )
 
     @staticmethod
@@ -241,6 +259,45 @@ class ElasticScope:
                 f"kvcore elastic KV does not support {', '.join(bad)}",
                 hint="turn the named option off or start without --kvcore-elastic",
             )
+
+
+def _elastic_parts(alloc: Any) -> list[Any]:
+    """The allocators holding a kvcore ledger: ``alloc`` itself, or the sub-allocators of a
+    hybrid (SWA) elastic allocator."""
+    parts = [
+        alloc,
+        *(getattr(alloc, n, None) for n in ("full_attn_allocator", "swa_attn_allocator")),
+    ]
+    return [p for p in parts if p is not None and hasattr(p, "ledger")]
+
+
+def _tp_agreement(config: ElasticConfig) -> RankAgreement | None:
+    """The attention-TP CPU group's agreement when a physical budget is set at attention-TP
+    > 1; ``None`` without a budget (capacity is logical) or with one rank. Raises
+    ``UnsupportedConfiguration`` when TP > 1 but SGLang built no such group here."""
+    if config.limit_bytes is None and not config.gpu_ledger:
+        return None
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    try:
+        size = int(parallel.attn_tp_size)
+    except (RuntimeError, ValueError, AttributeError):  # nothing published: one rank
+        return None
+    if size <= 1:
+        return None
+    try:
+        group = parallel.attn_tp_group
+    except (RuntimeError, ValueError, AttributeError):
+        group = None
+    if group is None:
+        raise UnsupportedConfiguration(
+            f"kvcore elastic KV with a physical budget at attention-TP {size} needs SGLang's "
+            "attention-TP CPU group to agree allocations, and this process has none",
+            hint="build the pools after SGLang's distributed initialisation, or drop "
+            "limit_bytes and gpu_ledger from --kvcore-config",
+        )
+    return TorchGroupAgreement(group.cpu_group)
 
 
 def _parallel_sizes() -> tuple[int, int]:

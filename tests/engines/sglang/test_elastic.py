@@ -363,17 +363,22 @@ def test_leak_check_conserves_kvcore_accounting(make: Any) -> None:
 
 
 @pytest.mark.parametrize("budget", [{"limit_bytes": 1 << 30}, {"gpu_ledger": True}])
-def test_physical_budget_with_tensor_parallel_is_refused(budget: dict[str, Any]) -> None:
-    """TP ranks run the same scheduler on the same inputs; a per-GPU budget would let their
-    admission decisions diverge, so it is refused at start-up (no budget: allowed)."""
+def test_physical_budget_needs_agreeing_ranks(budget: dict[str, Any]) -> None:
+    """A budget at TP > 1 is agreed over SGLang's attention-TP CPU group
+    (``test_tp_agreement.py`` runs two ranks): without that group it is refused at start-up,
+    as is a budget at PP > 1 (pipeline stages are not agreed). No budget: allowed."""
     from sglang.srt.runtime_context import get_parallel
 
     with get_parallel().override(tp_size=2, attn_tp_size=2, moe_tp_size=2):
-        with pytest.raises(UnsupportedConfiguration, match="TP 2"):
+        with pytest.raises(UnsupportedConfiguration, match="attention-TP 2"):
             build("on", size=256, page_size=16, **budget)
         assert memory_pool.KV_BUFFER_HOOK is None
         e = build("on", size=256, page_size=16)
         e.scope.close()
+    with get_parallel().override(pp_size=2):
+        with pytest.raises(UnsupportedConfiguration, match="PP 2"):
+            build("on", size=256, page_size=16, **budget)
+        assert memory_pool.KV_BUFFER_HOOK is None
 
 
 # -- fault injection: every failure path the adapter claims to handle ----------------------
