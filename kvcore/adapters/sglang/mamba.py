@@ -14,9 +14,11 @@ rank's one gate (``SharedGate``) with the KV pools. Slot 0, SGLang's dummy slot,
 mapped.
 
 ``ElasticMambaSlotAllocator`` is SGLang's ``MambaSlotAllocator`` over that state: the lowest
-free slots first (so slots share pages), ``None`` when slots or pages are short; under a
-budget ``available_size()`` counts only the slots whose pages the headroom pays for, so
-admission sees the shortage first (a miss past it looks like a full pool).
+free slots first (so slots share pages), ``None`` when slots or pages are short. Its
+``available_size()`` is the logical free count (pool stats, the idle leak check) and
+``schedulable_available_size()`` (SGLang's own split for byte-coordinated allocators, read
+by ``ensure_mamba_capacity`` and the prefill budget) counts under a budget only the slots
+whose pages the headroom pays for, so SGLang evicts or waits before an allocation misses.
 
 Seam. SGLang 0.5.23 allocates the state with ``torch.zeros`` inside ``MambaPool.__init__``
 and builds the slot allocator in ``HybridReqToTokenPool._init_mamba_pool``; the patch series
@@ -68,8 +70,13 @@ class ElasticMambaSlotAllocator(MambaSlotAllocator):  # type: ignore[misc]
         return torch.tensor(self.state.free_slots(), dtype=torch.int64, device=self.device)
 
     def available_size(self) -> int:
-        """Free slots, or under a budget those whose pages the headroom pays for, so
-        SGLang's admission sees a physical shortage before ``alloc`` misses."""
+        """Free slots (logical): what SGLang's pool stats and idle leak check conserve."""
+        return self.state.free_count()
+
+    def schedulable_available_size(self) -> int:
+        """SGLang's planner-facing count (``ensure_mamba_capacity``, the prefill budget):
+        under a budget only the free slots whose pages the headroom pays for, so SGLang
+        evicts cached states or holds requests back before ``alloc`` would miss."""
         return self.state.available()
 
     def _do_alloc(self, need_size: int) -> torch.Tensor | None:
