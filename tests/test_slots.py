@@ -71,8 +71,9 @@ def test_views_have_the_engine_layout_and_read_back_writes(backend: str) -> None
         assert torch.equal(ssm[:, idx], vals)
         assert torch.equal(conv[:, idx], conv_vals)
         s.give(got)
-        far = SLOTS - 1  # on another SSM page: unbacked until taken, reads as zeros
-        assert not ssm[:, far].any()
+        far = SLOTS - 1
+        if far // ssm_per_page(s) != 0:  # on an SSM page never mapped: reads as zeros
+            assert not ssm[:, far].any()
     finally:
         s.close()
 
