@@ -42,7 +42,7 @@ import sglang
 import torch
 from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 
-from kvcore.errors import UnsupportedConfiguration
+from kvcore.errors import GeometryError, UnsupportedConfiguration
 from kvcore.slots import SlotStates, StateTensor
 from kvcore.vmm import open_backend
 
@@ -167,6 +167,17 @@ def build_mamba_state(
             sanity=config.sanity,
             owns_backend=True,
         )
+    except GeometryError as exc:
+        closer = getattr(share, "close", None)
+        if callable(closer):
+            closer()
+        backend.close()
+        shapes = ", ".join(f"{s.role} {s.shape} {s.dtype}" for s in states)
+        raise UnsupportedConfiguration(
+            f"kvcore elastic Mamba state: a per-slot row of this model ({shapes}) tiles no "
+            f"page of SGLang's layer-major state tensors exactly: {exc}",
+            hint="start without --kvcore-elastic for this model (or raise the largest page)",
+        ) from exc
     except BaseException:
         closer = getattr(share, "close", None)
         if callable(closer):

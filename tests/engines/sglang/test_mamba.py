@@ -295,3 +295,19 @@ def test_hybrid_linear_kv_pool_and_mamba_state_are_elastic_together(scopes: Any)
     assert gate.held == charged  # the KV pool and the Mamba state: one gate
     alloc.free(out)
     slots.free(slot)
+
+
+@requires_fork
+def test_a_state_row_without_an_exact_page_is_refused_by_name(scopes: Any) -> None:
+    scope = scopes()
+    with scope, pytest.raises(UnsupportedConfiguration, match=r"temporal \(7, 1001\)"):
+        scope.mamba_buffers(
+            upstream_pool(),
+            layers=2,
+            conv_shapes=[(96, 3)],
+            conv_dtype=torch.bfloat16,
+            temporal_shape=(7, 1001),  # 28028 B: an exact 64 KiB-granular page is 438 MiB
+            temporal_dtype=torch.float32,
+            slots=SIZE + 1,
+        )
+    assert scope.mamba_states == []
