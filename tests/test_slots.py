@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from kvcore.accounting import BudgetGate, UnlimitedGate
-from kvcore.errors import GeometryError, InvalidTransition
+from kvcore.errors import GeometryError, InvalidTransition, PoolFailed
 from kvcore.gate_share import SharedGate
 from kvcore.geometry import KVGeometry
 from kvcore.pages import PageAllocator
 from kvcore.slots import SlotStates, StateTensor
 from kvcore.tensors import LocalPageMapper, VirtualKVCache
+from kvcore.vmm.faults import FaultInjector
 from tests.vmm_backends import BACKEND_PARAMS, make_backend
 
 LAYERS = 2
@@ -235,3 +236,43 @@ def test_available_counts_the_slots_the_headroom_pays_for() -> None:
         assert unlimited.available() == SLOTS - 1  # no headroom figure: the free count
     finally:
         unlimited.close()
+
+
+def faulty_states(vmm: FaultInjector) -> SlotStates:
+    # both states 16 KiB per slot and layer: 4 slots per 64 KiB page, so slot 4 needs a new
+    # page in each state
+    return SlotStates(
+        vmm,
+        UnlimitedGate(),
+        layers=LAYERS,
+        states=[StateTensor("conv0", (8192,), torch.bfloat16), SSM],
+        slots=SLOTS,
+    )
+
+
+def test_a_miss_in_a_later_state_gives_back_the_earlier_states_pages() -> None:
+    vmm = FaultInjector(make_backend("host", **HOST))
+    s = faulty_states(vmm)
+    try:
+        first = s.take(3)  # slots 1..3: slot 0's pages
+        assert first is not None and s.mapped_pages() == [LAYERS, LAYERS]
+        vmm.fail("create", nth=LAYERS + 1)  # the SSM state's first new page: out of memory
+        assert s.take(1) is None
+        assert s.mapped_pages() == [LAYERS, LAYERS]  # conv's new pages were given back
+        assert s.free_count() == SLOTS - 4
+        slot = s.take(1)  # the device recovered: the same slot, pages in both states
+        assert slot == [4] and s.mapped_pages() == [2 * LAYERS, 2 * LAYERS]
+        s.give(first + slot)
+    finally:
+        s.close()
+    assert not vmm.live_handles and not vmm.mapped_ranges()
+    vmm.close()
+
+
+def test_a_failed_start_leaves_nothing_mapped_or_reserved() -> None:
+    vmm = FaultInjector(make_backend("host", **HOST))
+    vmm.fail("create", nth=LAYERS + 1)  # slot 0's SSM pages cannot be created
+    with pytest.raises(PoolFailed, match="reserved slots"):
+        faulty_states(vmm)
+    assert not vmm.live_handles and not vmm.mapped_ranges()
+    vmm.close()
