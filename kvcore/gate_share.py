@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 
 from kvcore.accounting import MemoryGate
+from kvcore.errors import KvcoreError
 
 __all__ = ["GateShare", "SharedGate"]
 
@@ -83,7 +84,10 @@ class GateShare:
     def _gate(self) -> MemoryGate:
         gate = self._owner.gate
         if gate is None:
-            raise RuntimeError("kvcore: a closed gate share was used")
+            raise KvcoreError(
+                "kvcore: a gate share was used after the shared gate closed",
+                hint="close page allocators before the managers that own their gate shares",
+            )
         return gate
 
     def try_acquire(self, nbytes: int) -> bool:

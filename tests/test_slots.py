@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvcore.accounting import BudgetGate, UnlimitedGate
-from kvcore.errors import GeometryError, InvalidTransition, PoolFailed
+from kvcore.errors import GeometryError, InvalidTransition, KvcoreError, PoolFailed
 from kvcore.gate_share import SharedGate
 from kvcore.geometry import KVGeometry
 from kvcore.pages import PageAllocator
@@ -168,6 +168,8 @@ def test_shared_gate_sums_reserves_and_closes_with_the_last_share() -> None:
     b.close()  # idempotent
     assert opened[0].closed  # type: ignore[attr-defined]
     assert shared.gate is None
+    with pytest.raises(KvcoreError, match="after the shared gate closed"):
+        a.try_acquire(1)
 
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
