@@ -35,7 +35,7 @@ from array import array
 from typing import TYPE_CHECKING, Any
 
 import torch
-from sglang.kernels.ops.memory.allocator import alloc_decode_kernel
+from sglang.kernels.ops.memory.allocator import alloc_decode_kernel, alloc_extend_kernel
 from sglang.srt.mem_cache.allocator import paged as _paged
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
@@ -89,6 +89,7 @@ class _ElasticMixin:
                 hint="drop max_cached_tokens from --kvcore-config on this SGLang version",
             )
         self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
+        self._on_cpu = self._empty.device.type == "cpu"  # read once: .device builds an object
 
     def _as_tensor(self, ids: list[int]) -> torch.Tensor:
         """The ledger's id list as an int64 tensor on the allocator's device (through an
@@ -96,7 +97,7 @@ class _ElasticMixin:
         if not ids:
             return self._empty
         t = torch.frombuffer(array("q", ids), dtype=torch.int64)
-        return t if self._empty.device.type == "cpu" else t.to(self.device)
+        return t if self._on_cpu else t.to(self.device)
 
     def _free_all(self) -> None:
         ledger = self.ledger
@@ -275,6 +276,13 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
                     seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu
                 )
             )
+        if getattr(_paged, "alloc_extend_naive", None) is not None and hasattr(
+            _paged, "alloc_decode_naive"
+        ):  # 0.5.23+: upstream's alloc_extend minus its free-list bookkeeping, as in decode
+            ids = self.ledger.alloc(num_new_pages)
+            if ids is None:
+                return None
+            return self._extend_kernel(prefix_lens, seq_lens, last_loc, ids, extend_num_tokens)
         if not self._take(num_new_pages):
             return None
         return self._run_upstream(
@@ -287,6 +295,34 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
             extend_num_tokens,
             num_new_pages=num_new_pages,
         )
+
+    def _extend_kernel(
+        self,
+        prefix_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        last_loc: torch.Tensor,
+        ids: list[int],
+        extend_num_tokens: int,
+    ) -> torch.Tensor:
+        """SGLang's extend index kernel (Triton, or its torch fallback) over the ledger's
+        fresh block ids; on an error the ids go back to the ledger."""
+        pages = self._as_tensor(ids)
+        out = torch.empty((extend_num_tokens,), dtype=torch.int64, device=self.device)
+        try:
+            if self.use_triton_kernels:
+                bs = len(prefix_lens)
+                alloc_extend_kernel[(bs,)](
+                    prefix_lens, seq_lens, last_loc, pages, out, next_power_of_2(bs), self.page_size
+                )
+            else:
+                _paged.alloc_extend_naive(
+                    prefix_lens, seq_lens, last_loc, pages, out, self.page_size, self.device
+                )
+        except BaseException:
+            if ids:
+                self.ledger.free(ids)
+            raise
+        return out
 
     def alloc_decode(
         self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor
@@ -328,8 +364,25 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
             self.free_pages = self._empty
         return out
 
+    def free(self, free_index: torch.Tensor) -> None:
+        """Upstream's ``free``; its deduplicated page ids are strictly increasing
+        (``torch.unique``), so ids forming one run go to the ledger as a range
+        (``BlockLedger.free_range``: no per-id sort and duplicate check)."""
+        if free_index.numel() == 0:
+            return
+        if self.free_group is not None:
+            self.free_group.append(self._copy_for_free_group(free_index))
+            return
+        ids = torch.unique(free_index // self.page_size).tolist()
+        if ids[-1] - ids[0] == len(ids) - 1:
+            self.ledger.free_range(ids[0], len(ids))
+        else:
+            self.ledger.free(ids)
+        if self.debug_mode:
+            self._debug_check_no_duplicate_pages()
+
     def _release_page_ids(self, *page_ids: torch.Tensor) -> None:
-        # every upstream free path (free, free_segment, free_page_ids, free_group_end) ends here
+        # every other upstream free path (free_segment, free_page_ids, free_group_end) ends here
         ids = page_ids[0] if len(page_ids) == 1 else torch.cat(page_ids)
         if ids.numel():
             self.ledger.free(ids.tolist())

@@ -409,6 +409,35 @@ def test_a_failing_index_kernel_gives_the_staged_pages_back(
     assert e.manager.ledger.used() == used
 
 
+@requires_cpu_paged_kernels
+def test_free_gives_back_exactly_the_pages_named_as_a_run_or_scattered(make: Any) -> None:
+    """``free`` sends pages forming one run to the ledger as a range, any other set page by
+    page: either way exactly those blocks are freed; a double free raises naming a block
+    and changes nothing."""
+    e = make("on", size=2048, page_size=16)
+    a, ledger = e.allocator, e.manager.ledger
+    used = ledger.used()
+    out = extend(a, [0, 0, 0], [64, 64, 64], [-1, -1, -1])  # 12 pages
+    tokens: dict[int, list[int]] = {}
+    for t in out.tolist():
+        tokens.setdefault(t // 16, []).append(t)
+    pages = sorted(tokens)
+    assert len(pages) == 12 and ledger.used() == used + 12
+    run = next(p for p in pages if p + 1 in tokens and p + 2 in tokens)
+    a.free(torch.tensor(tokens[run + 2] + tokens[run] + tokens[run + 1]))  # one run
+    assert ledger.used() == used + 9
+    assert not any(ledger.is_allocated(p) for p in (run, run + 1, run + 2))
+    with pytest.raises(KvcoreError, match=f"block {run}: not allocated"):
+        a.free(torch.tensor(tokens[run]))  # a double free
+    rest = [p for p in pages if p not in (run, run + 1, run + 2)]
+    scattered = [rest[0], rest[2], rest[-1]]  # not one run
+    a.free(torch.tensor([t for p in scattered for t in tokens[p]]))
+    assert ledger.used() == used + 6
+    assert all(ledger.is_allocated(p) != (p in scattered) for p in rest)
+    a.free(torch.tensor([t for p in rest if p not in scattered for t in tokens[p]]))
+    assert ledger.used() == used and e.pages().in_use == 1  # page 0: the reserved block
+
+
 @pytest.mark.parametrize(("kind", "nth"), [("reserve", 2), ("create", 1), ("map", 3)])
 def test_a_failing_driver_call_at_startup_leaves_nothing_behind(kind: str, nth: int) -> None:
     from kvcore.adapters.config import ElasticConfig
