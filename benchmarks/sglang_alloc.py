@@ -9,7 +9,7 @@ kvcore fork of SGLang installed (``nox -s test-sglang-0.5.23`` builds such a ven
 ``.nox/``)::
 
     PYTHONPATH=tests/engines/sglang/shim .nox/test-sglang-0-5-23/bin/python \\
-        benchmarks/sglang_alloc.py [--repeats 15] [--iters 200] [--json F]
+        benchmarks/sglang_alloc.py [--repeats 31] [--iters 100] [--json F]
 
 Workloads, each one cycle per iteration:
 
@@ -19,11 +19,16 @@ Workloads, each one cycle per iteration:
             crosses a page boundary once), then ``free``;
 ``token``   ``page_size=1``: ``alloc(64)`` then ``free``.
 
-Numbers are medians over ``--repeats`` timed runs of ``--iters`` cycles, after a warm-up;
-the two sides alternate run by run, on one torch thread. On CPU both sides' cost is mostly
-SGLang's own index arithmetic (its torch fallback of the Triton kernel) and, for upstream,
-``torch.cat`` of the whole free list on every free; kvcore's share is the ledger calls, one
-exact new-page count per allocation and the list<->tensor conversions.
+The stacks are built by ``tests/engines/sglang/harness.py``'s ``build`` (the conformance
+tests' builder), at this pool shape. Numbers are medians over ``--repeats`` timed runs of
+``--iters`` cycles, after a warm-up; the two sides alternate run by run, on one torch
+thread. Each run is timed on the wall clock and on the thread's CPU clock (``thread_time``:
+blind to time the machine gave other processes); the ratio is the median of the per-repeat
+ratios of adjacent runs (both sides under the same load). On CPU both sides' cost is mostly
+SGLang's own index arithmetic (its torch fallback of the Triton kernel) and
+``torch.unique`` on every free, plus, for upstream, ``torch.cat`` of the whole free list;
+kvcore's share is the ledger calls, one exact new-page count per allocation and the
+list<->tensor conversions.
 """
 
 from __future__ import annotations
@@ -31,51 +36,44 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from _provenance import commit, now  # noqa: E402
+
+from tests.engines.sglang.harness import Engine, build  # noqa: E402
+
 PAGE = 16
 SIZE = 1 << 16  # tokens
 HEADS, HEAD_DIM, LAYERS = 8, 128, 4
-KVCORE = {"backend": "host", "reserve_min": 8, "reserve_max": 32}
+# the GPU's 2 MiB granularity (not the tests' 64 KiB), a warm reserve
+KVCORE = {
+    "backend_options": {"device_bytes": 8 << 30, "granularity": 2 << 20},
+    "reserve_min": 8,
+    "reserve_max": 32,
+}
 
 
-def _stack(elastic: bool, page_size: int) -> tuple[Any, Any]:
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-    def pool() -> Any:
-        return MHATokenToKVPool(
-            size=SIZE,
-            page_size=page_size,
-            dtype=torch.bfloat16,
-            head_num=HEADS,
-            head_dim=HEAD_DIM,
-            layer_num=LAYERS,
-            device="cpu",
-            enable_memory_saver=False,
-        )
-
-    def allocator(p: Any) -> Any:
-        if page_size == 1:
-            return TokenToKVPoolAllocator(SIZE, torch.bfloat16, "cpu", p, False)
-        return PagedTokenToKVPoolAllocator(SIZE, page_size, torch.bfloat16, "cpu", p, False)
-
-    if not elastic:
-        p = pool()
-        return allocator(p), None
-    from kvcore.adapters.sglang import ElasticScope
-
-    scope = ElasticScope(KVCORE)
-    with scope:
-        p = pool()
-    return scope.allocator(allocator(p)), scope
+def _stack(elastic: bool, page_size: int) -> Engine:
+    return build(
+        "on" if elastic else "off",
+        size=SIZE,
+        page_size=page_size,
+        layers=LAYERS,
+        heads=HEADS,
+        head_dim=HEAD_DIM,
+        **KVCORE,
+    )
 
 
 def _extend_cycle(a: Any) -> None:
@@ -112,51 +110,80 @@ WORKLOADS: dict[str, tuple[int, Callable[[Any], None]]] = {
 }
 
 
-def _time(a: Any, cycle: Callable[[Any], None], iters: int) -> float:
-    t0 = time.perf_counter()
+def _time(a: Any, cycle: Callable[[Any], None], iters: int) -> tuple[float, float]:
+    """Wall and thread-CPU seconds per cycle."""
+    wall, cpu = time.perf_counter(), time.thread_time()
     for _ in range(iters):
         cycle(a)
-    return (time.perf_counter() - t0) / iters
+    return (time.perf_counter() - wall) / iters, (time.thread_time() - cpu) / iters
+
+
+def measure(name: str, page_size: int, cycle: Callable[[Any], None], args: Any) -> dict[str, Any]:
+    """One workload, both sides in turn: medians (us per cycle) and paired ratios."""
+    engines = {mode: _stack(mode == "elastic", page_size) for mode in ("upstream", "elastic")}
+    runs: dict[str, list[tuple[float, float]]] = {"upstream": [], "elastic": []}
+    try:
+        for e in engines.values():
+            _time(e.allocator, cycle, max(args.iters // 4, 1))  # warm-up (and the reserve fill)
+        for _ in range(args.repeats):  # interleaved, so drift hits both sides alike
+            for mode, e in engines.items():
+                runs[mode].append(_time(e.allocator, cycle, args.iters))
+    finally:
+        for e in engines.values():
+            if e.scope is not None:
+                e.scope.close()
+    row: dict[str, Any] = {"workload": name}
+    for i, clock in enumerate(("wall", "cpu")):
+        up = [r[i] for r in runs["upstream"]]
+        el = [r[i] for r in runs["elastic"]]
+        row[f"upstream_us_{clock}"] = round(statistics.median(up) * 1e6, 2)
+        row[f"elastic_us_{clock}"] = round(statistics.median(el) * 1e6, 2)
+        row[f"ratio_{clock}"] = round(
+            statistics.median(e / u for e, u in zip(el, up, strict=True)), 3
+        )
+    return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=31)
+    parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
 
     import sglang
 
     torch.set_num_threads(1)  # the scheduler thread's view; no intra-op thread contention
-    rows: list[dict[str, Any]] = []
-    for name, (page_size, cycle) in WORKLOADS.items():
-        stacks = {mode: _stack(mode == "elastic", page_size) for mode in ("upstream", "elastic")}
-        times: dict[str, list[float]] = {"upstream": [], "elastic": []}
-        for a, _ in stacks.values():
-            _time(a, cycle, max(args.iters // 4, 1))  # warm-up (and the reserve fill)
-        for _ in range(args.repeats):  # interleaved, so drift hits both sides alike
-            for mode, (a, _) in stacks.items():
-                times[mode].append(_time(a, cycle, args.iters))
-        up, el = (statistics.median(times[m]) for m in ("upstream", "elastic"))
-        rows.append(
-            {"workload": name, "upstream_us": up * 1e6, "elastic_us": el * 1e6, "ratio": el / up}
-        )
-        for _, scope in stacks.values():
-            if scope is not None:
-                scope.close()
+    rows = [measure(name, ps, cycle, args) for name, (ps, cycle) in WORKLOADS.items()]
 
-    table = Table(title=f"SGLang {sglang.__version__} allocator: elastic vs upstream (median)")
-    for col in ("workload", "upstream us/cycle", "elastic us/cycle", "elastic / upstream"):
+    table = Table(
+        title=f"SGLang {sglang.__version__} allocator, elastic vs upstream: medians of "
+        f"{args.repeats} x {args.iters} cycles, wall | thread CPU"
+    )
+    for col in ("workload", "upstream us", "elastic us", "elastic / upstream"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
-            r["workload"], f"{r['upstream_us']:.1f}", f"{r['elastic_us']:.1f}", f"{r['ratio']:.2f}x"
+            r["workload"],
+            f"{r['upstream_us_wall']:.1f} | {r['upstream_us_cpu']:.1f}",
+            f"{r['elastic_us_wall']:.1f} | {r['elastic_us_cpu']:.1f}",
+            f"{r['ratio_wall']:.3f}x | {r['ratio_cpu']:.3f}x",
         )
     Console().print(table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"sglang": sglang.__version__, "results": rows}, f, indent=2)
+            json.dump(
+                {
+                    "sglang": sglang.__version__,
+                    "commit": commit("kvcore", "benchmarks/sglang_alloc.py"),
+                    "date": now(),
+                    "repeats": args.repeats,
+                    "iters": args.iters,
+                    "results": rows,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":
