@@ -39,6 +39,11 @@ import torch
 iface = pytest.importorskip("vllm.v1.kv_cache_interface")
 if "kvcore" not in getattr(iface.KVCacheConfig, "__dataclass_fields__", {}):
     pytest.skip("vLLM here is not kvcore's fork", allow_module_level=True)
+planning = pytest.importorskip(
+    "vllm.v1.core.kv_cache_planning",
+    reason="needs vLLM 0.33.0's KV cache planner module (0.30.0 has none: it plans in "
+    "kv_cache_utils)",
+)
 
 from test_elastic_scheduler import BLOCK, GRAN, SPEC  # noqa: E402
 from test_elastic_scheduler import step as scheduler_step  # noqa: E402
@@ -52,7 +57,6 @@ from vllm.config import (  # noqa: E402
     set_current_vllm_config,
 )
 from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.v1.core import kv_cache_planning as planning  # noqa: E402
 from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs  # noqa: E402
