@@ -199,10 +199,12 @@ class BlockLedger:
     def available(self) -> int:
         """Blocks ``alloc`` could hand out now: free blocks on held pages plus the blocks of
         the pages the page allocator could still give (an upper bound when the device itself
-        runs short)."""
-        with self._lock:
-            free_slots = self._free_slots
-            unheld = self._num_blocks - self._used - free_slots
+        runs short). A snapshot read without the lock, like ``PageAllocator.available``
+        (engines ask before every allocation)."""
+        free_slots = self._free_slots
+        unheld = self._num_blocks - self._used - free_slots
+        if unheld <= 0:
+            return free_slots
         return free_slots + min(self._pages.available() * self._bpp, unheld)
 
     def used(self) -> int:

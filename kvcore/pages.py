@@ -526,17 +526,18 @@ class PageAllocator:
     def available(self) -> int:
         """Pages ``acquire`` could hand out now: reserved, queued for unmap, and free pages
         the mapper's pool or the gate would still admit (``gate.headroom()`` where the gate
-        has one). An upper bound: the device itself may still run out."""
-        with self._lock:
-            if self._failure is not None or self._closed:
-                self._check_usable()
-            ready = len(self._reserve) + len(self._unmap_queue)
-            free = len(self._free)
+        has one). An upper bound: the device itself may still run out. A snapshot read
+        without the lock (engines ask before every allocation): a page the background
+        thread moves meanwhile may be missed or, once, counted twice."""
+        if self._failure is not None or self._closed:
+            self._check_usable()
+        free = len(self._free)
         headroom = self._headroom
-        room = headroom() if headroom is not None else None
-        if isinstance(room, int):
-            free = min(free, self._pooled + max(room, 0) // self._page_bytes)
-        return ready + free
+        if headroom is not None:
+            room = headroom()
+            if isinstance(room, int):
+                free = min(free, self._pooled + max(room, 0) // self._page_bytes)
+        return len(self._reserve) + len(self._unmap_queue) + free
 
     def stats(self) -> PageStats:
         """A consistent snapshot of page counts and mapper-call counters."""
