@@ -87,7 +87,7 @@ class TorchGroupAgreement:
         t = torch.tensor(list(values), dtype=torch.int64)
         try:
             self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self._group)
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:  # a peer gone; the group destroyed
             raise AgreementError(
                 f"kvcore: the ranks' allocation agreement failed ({exc})",
                 hint="a peer rank died or left; restart the engine",

@@ -143,9 +143,14 @@ class ElasticScope:
         alloc = elastic_allocator(upstream)
         agreement = self.agreement if self.agreement is not None else _tp_agreement(self.config)
         if agreement is not None:
-            for elastic in _elastic_parts(alloc):
-                if not isinstance(elastic.ledger, AgreedLedger):
-                    elastic.ledger = AgreedLedger(elastic.ledger, agreement)
+            if not hasattr(alloc, "ledger"):
+                raise UnsupportedConfiguration(
+                    f"kvcore elastic KV with a physical budget at TP > 1 over SGLang's "
+                    f"{type(upstream).__name__}: its joint admission reads the rank's own "
+                    "budget, which is not agreed across ranks",
+                    hint="drop limit_bytes and gpu_ledger from --kvcore-config, or run on one GPU",
+                )
+            alloc.ledger = AgreedLedger(alloc.ledger, agreement)
         return alloc
 
     def mamba_buffers(self, pool: Any, **shapes: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -259,16 +264,6 @@ class ElasticScope:
                 f"kvcore elastic KV does not support {', '.join(bad)}",
                 hint="turn the named option off or start without --kvcore-elastic",
             )
-
-
-def _elastic_parts(alloc: Any) -> list[Any]:
-    """The allocators holding a kvcore ledger: ``alloc`` itself, or the sub-allocators of a
-    hybrid (SWA) elastic allocator."""
-    parts = [
-        alloc,
-        *(getattr(alloc, n, None) for n in ("full_attn_allocator", "swa_attn_allocator")),
-    ]
-    return [p for p in parts if p is not None and hasattr(p, "ledger")]
 
 
 def _tp_agreement(config: ElasticConfig) -> RankAgreement | None:

@@ -23,6 +23,17 @@ from .test_conformance import radix
 
 pytestmark = requires_fork
 
+
+def _requires_allocator_eviction() -> Any:
+    from kvcore.adapters.sglang.allocators import _eviction_asks_allocator
+
+    return pytest.mark.skipif(
+        not _eviction_asks_allocator(),
+        reason="this SGLang's pre-allocation eviction does not go through the allocator "
+        "(evict_to_free_tokens, 0.5.23+), where kvcore installs the page-aware order",
+    )
+
+
 PAGE = 4 * (64 << 10)  # device bytes of one page id: 4 handles of 64 KiB
 
 
@@ -69,6 +80,7 @@ def test_page_aware_eviction_returns_a_whole_page_first(make: Any) -> None:
     assert tree.evict(EvictParams(num_tokens=1)).num_tokens_evicted == 128
 
 
+@_requires_allocator_eviction()
 def test_sglangs_allocation_path_installs_it(make: Any) -> None:
     """``evict_from_tree_cache`` (what SGLang runs before every allocation) under a budget
     of the three mapped pages: the shortfall is met by evicting B, returning its page."""
@@ -84,6 +96,7 @@ def test_sglangs_allocation_path_installs_it(make: Any) -> None:
     assert a.alloc(128) is not None
 
 
+@_requires_allocator_eviction()
 def test_the_cached_token_bound_evicts_page_aware(make: Any) -> None:
     """``max_cached_tokens=128`` with memory to spare: only the bound evicts (256 of the 384
     cached tokens). LRU would take A and then B (384 tokens, no page from A); page-aware

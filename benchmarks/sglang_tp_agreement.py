@@ -1,0 +1,127 @@
+"""Cost of agreeing allocations across TP ranks (``kvcore.agreement.AgreedLedger``) on CPU.
+
+Two processes form a gloo group over TCP on this host (SGLang's TP CPU group is a gloo
+group too). Each builds the real kvcore stack (host backend, ``VirtualKVCache``,
+``LocalPageMapper``, ``PageAllocator`` under a ``BudgetGate``, ``BlockLedger``) and times,
+side by side in the same run, ``alloc(n)`` + ``free`` cycles on the plain ledger and on the
+ledger wrapped in ``AgreedLedger`` (one all-reduce of two int64 per ``alloc``), plus the
+bare all-reduce. Both ranks run the same loop in lockstep, as SGLang's TP schedulers do.
+
+    PYTHONPATH=. python benchmarks/sglang_tp_agreement.py [--repeats 11] [--iters 500]
+
+Medians over ``--repeats`` runs of ``--iters`` cycles, rank 0's clock. ``--blocks`` is the
+blocks per ``alloc`` (16: one physical page at 16 blocks per page; SGLang's decode step
+asks for a few, a prefill batch for ~150).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import time
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kvcore.accounting import BudgetGate
+from kvcore.agreement import AgreedLedger, TorchGroupAgreement
+from kvcore.blocks import BlockLedger
+from kvcore.geometry import KVGeometry
+from kvcore.pages import PageAllocator
+from kvcore.tensors import LocalPageMapper, VirtualKVCache
+from kvcore.vmm.host import HostBackend
+
+GRANULARITY = 64 << 10
+
+
+def _stack() -> tuple[HostBackend, VirtualKVCache, BlockLedger]:
+    backend = HostBackend(0, device_bytes=1 << 30, granularity=GRANULARITY)
+    geometry = KVGeometry(
+        num_layers=2,
+        kv_buffers=2,
+        block_bytes=4096,
+        num_blocks=4096,
+        page_bytes=GRANULARITY,
+        granularity=GRANULARITY,
+        layout="per-layer",
+    )
+    cache = VirtualKVCache(backend, geometry)
+    pages = PageAllocator(LocalPageMapper(cache), BudgetGate(256 << 20))
+    return backend, cache, BlockLedger(geometry, pages, reserved_blocks=(0,))
+
+
+def _time(fn: Any, iters: int) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def _rank(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    backend, cache, ledger = _stack()
+    agreement = TorchGroupAgreement()
+    agreed = AgreedLedger(ledger, agreement)
+    n = args.blocks
+
+    def plain() -> None:
+        ids = ledger.alloc(n)
+        assert ids is not None
+        ledger.free(ids)
+
+    def with_agreement() -> None:
+        ids = agreed.alloc(n)
+        assert ids is not None
+        agreed.free(ids)
+
+    def bare() -> None:
+        agreement.min([1, 2])
+
+    runs: dict[str, list[float]] = {"plain": [], "agreed": [], "all-reduce": []}
+    for fn in (plain, with_agreement, bare):  # warm-up
+        _time(fn, args.iters // 10 or 1)
+    for _ in range(args.repeats):  # alternate, so drift hits all three alike
+        runs["plain"].append(_time(plain, args.iters))
+        runs["agreed"].append(_time(with_agreement, args.iters))
+        runs["all-reduce"].append(_time(bare, args.iters))
+    if rank == 0:
+        out.put({k: statistics.median(v) for k, v in runs.items()})
+    dist.barrier()
+    ledger.close()
+    cache.close()
+    backend.close()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--iters", type=int, default=500)
+    parser.add_argument("--blocks", type=int, default=16)
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, port, args, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    medians = out.get(timeout=600)
+    for p in procs:
+        p.join(60)
+    plain, agreed = medians["plain"], medians["agreed"]
+    print(
+        f"2 ranks (gloo, one host), alloc({args.blocks}) + free, medians of {args.repeats} x "
+        f"{args.iters} cycles:"
+    )
+    print(f"  plain BlockLedger      {plain:8.1f} us/cycle")
+    print(f"  AgreedLedger           {agreed:8.1f} us/cycle  ({agreed / plain:.2f}x)")
+    print(f"  bare all-reduce (2 x int64, MIN) {medians['all-reduce']:8.1f} us")
+
+
+if __name__ == "__main__":
+    main()
