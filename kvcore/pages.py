@@ -647,24 +647,32 @@ class PageAllocator:
         if room >= len(pages):
             for p in pages:
                 state[p] = _RESERVED
-            self._reserve.extend(pages)
+            self._to_reserve(pages)
         else:
             room = max(room, 0)
             keep, drop = pages[:room], pages[room:]
             for p in keep:
                 state[p] = _RESERVED
-            self._reserve.extend(keep)
+            self._to_reserve(keep)
             for p in drop:
                 state[p] = _QUEUED
             self._unmap_queue.extend(drop)
             self._wake.notify()
         self._reserve_dirty = True
 
+    def _to_reserve(self, pages: Sequence[int]) -> None:
+        """Add mapped idle pages to the reserve, which stays sorted highest id first:
+        ``acquire`` hands out the lowest ids (dense, consecutive pages: one run of block ids)
+        and a surplus unmaps the highest. Caller holds ``_lock``."""
+        reserve = self._reserve
+        reserve.extend(pages)
+        reserve.sort(reverse=True)
+
     def _undo_acquire(self, ids: list[int]) -> None:
         """Put pages a failed acquire took back, as reserved (the background thread trims
         any surplus). Caller holds ``_lock``."""
         self._move(ids, _IN_USE, _RESERVED)
-        self._reserve.extend(ids)
+        self._to_reserve(ids)
         self._misses += 1
         self._reserve_dirty = True
         self._wake.notify()
@@ -904,7 +912,7 @@ class PageAllocator:
             self._move(quarantined, _UNMAPPING, _QUARANTINED)
             kept = [p for p in pages if p not in quarantined]
             self._move(kept, _UNMAPPING, _RESERVED)
-            self._reserve.extend(kept)
+            self._to_reserve(kept)
             self._unmap_retry_at = time.monotonic() + self._unmap_backoff
             self._unmap_backoff = min(2 * self._unmap_backoff, 20 * self._retry_interval)
 
@@ -949,7 +957,7 @@ class PageAllocator:
             if self._map(maps, refill=True):
                 with self._lock:
                     self._move(maps, _MAPPING, _RESERVED)
-                    self._reserve.extend(maps)
+                    self._to_reserve(maps)
                     self._backoff = self._retry_interval
                     self._batch_limit = min(2 * self._batch_limit, self._refill_batch)
             else:  # a miss: wait longer and ask for less next time
@@ -1008,7 +1016,7 @@ class PageAllocator:
             back = queue[len(queue) - k :]
             del queue[len(queue) - k :]
             self._move(back, _QUEUED, _RESERVED)
-            reserve.extend(back)
+            self._to_reserve(back)
             deficit -= k
         maps: list[int] = []
         if deficit and not self._refill_blocked_locked():
