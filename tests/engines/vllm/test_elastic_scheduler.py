@@ -58,7 +58,11 @@ def make_scheduler(
     kvcore: dict[str, Any] | None = None,
     elastic: bool = True,
     gate: MemoryGate | None = None,
+    spec: FullAttentionSpec = SPEC,
 ) -> Scheduler:
+    """The real vLLM scheduler over ``num_blocks`` blocks of ``spec`` (one KV group), with
+    kvcore's elastic pool (``kvcore`` settings; default: host backend, 4 KiB pages) unless
+    ``elastic=False``. Also ``benchmarks/vllm_scheduler_step.py``'s builder."""
     model = ModelConfig(model="facebook/opt-125m", dtype="float16", seed=42, max_model_len=2048)
     sched = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -74,7 +78,7 @@ def make_scheduler(
     kv = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], SPEC)],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
     )
     if elastic:
         kv.kvcore = kvcore if kvcore is not None else _settings()
