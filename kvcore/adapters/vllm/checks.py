@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvcore.adapters.vllm.groups import engine_row_bytes, family_layout, kvcore_groups
 from kvcore.errors import UnsupportedConfiguration
 
 __all__ = ["check_kv_cache_config", "check_vllm_config"]
-
-_FULL_ATTENTION = "FullAttentionSpec"
 
 
 def check_vllm_config(vllm_config: Any, kv_cache_config: Any) -> None:
@@ -49,27 +48,12 @@ def check_vllm_config(vllm_config: Any, kv_cache_config: Any) -> None:
 
 
 def check_kv_cache_config(kv_cache_config: Any) -> None:
-    """The part of ``check_vllm_config`` that reads only the ``KVCacheConfig``: one
-    full-attention group in one block-outermost tensor."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise UnsupportedConfiguration(
-            f"--kvcore-elastic: {len(groups)} KV cache groups (hybrid, sliding-window or "
-            "Mamba layers) are not supported yet; only one full-attention group",
-            hint="serve a model with full attention in every layer, or drop --kvcore-elastic",
-        )
-    spec = groups[0].kv_cache_spec
-    kind = type(spec).__name__
-    if kind != _FULL_ATTENTION:
-        raise UnsupportedConfiguration(
-            f"--kvcore-elastic: KV cache spec {kind} is not supported yet (MLA, sliding "
-            "window, Mamba and other non-MHA/GQA caches)",
-            hint="serve an MHA/GQA model, or drop --kvcore-elastic",
-        )
-    tensors = kv_cache_config.kv_cache_tensors
-    if len(tensors) > 1 or any(t.block_stride < t.layer_stride for t in tensors):
-        raise UnsupportedConfiguration(
-            "--kvcore-elastic: the KV cache layout is layer-outermost; elastic KV maps one "
-            "page per run of whole blocks and needs a block-outermost layout",
-            hint="set VLLM_KV_CACHE_LAYOUT to a block-outermost layout (e.g. BLHNC)",
-        )
+    """The part of ``check_vllm_config`` that reads only the ``KVCacheConfig``: every group
+    has a kvcore layout (``groups.SUPPORTED_SPECS``: full attention, sliding window, MLA,
+    Mamba, any mix of them) and the tensors place one block-outermost row per block id, each
+    layer where kvcore's layout puts it. Page sizes are not checked here (they depend on the
+    worker's backend; ``runtime.elastic_settings`` pads the row when needed)."""
+    kvcore_groups(kv_cache_config.kv_cache_groups)  # first: names a spec without a layout
+    row = engine_row_bytes(kv_cache_config)
+    # layouts and placements only: pages are planned per backend later (granularity = row)
+    family_layout(kv_cache_config, granularity=row, pad=True, max_page_bytes=row)

@@ -71,6 +71,11 @@ def _group(gid: int, group: Any) -> CacheGroup:
     layers = tuple(group.layer_names)
     spec = group.kv_cache_spec
     where = f"KV cache group {gid} ({len(layers)} layers, first {layers[:1]})"
+    if not layers:
+        raise UnsupportedConfiguration(
+            f"--kvcore-elastic: KV cache group {gid} ({type(spec).__name__}) has no layers",
+            hint=_DROP,
+        )
     if getattr(group, "host_resident", False):
         raise UnsupportedConfiguration(
             f"--kvcore-elastic: {where} is host-resident (HiSparse): its blocks do not live "
@@ -156,11 +161,14 @@ def engine_row_bytes(kv_cache_config: Any) -> int:
     tensors = kv_cache_config.kv_cache_tensors
     if tensors:
         for t in tensors:
-            if len(t.layers) > 1 and t.block_stride < t.layer_stride:
+            # block-outermost: the tensor's layers (one page apart) end inside the row
+            end = int(t.offset) + len(t.layers) * int(t.layer_stride)
+            if end > int(t.block_stride):
                 raise UnsupportedConfiguration(
-                    f"--kvcore-elastic: KV cache tensor of layers {t.layers[:2]}... is "
-                    f"layer-outermost (layer stride {t.layer_stride} > block stride "
-                    f"{t.block_stride}); kvcore backs a block id as one row of every layer",
+                    f"--kvcore-elastic: KV cache tensor of layers {t.layers[:2]} is "
+                    f"layer-outermost (its layers end at byte {end} of a "
+                    f"{t.block_stride}-byte block stride); kvcore backs a block id as one "
+                    "row of every layer",
                     hint="set VLLM_KV_CACHE_LAYOUT to a block-outermost layout (e.g. BLHNC)",
                 )
         strides = {int(t.block_stride) for t in tensors}
@@ -213,6 +221,14 @@ def family_layout(
             "no KV memory to make elastic",
             hint=_DROP,
         )
+    row = engine_row_bytes(kv_cache_config)
+    need = max(g.row_offsets()[0] for g in groups)
+    if row < need:
+        raise UnsupportedConfiguration(
+            f"--kvcore-elastic: vLLM's block row is {row} bytes, the groups' pages need "
+            f"{need}: the KV cache tensors do not hold these specs",
+            hint=f"plan the KV cache with vLLM's planner (block-outermost), or {_DROP}",
+        )
     layout = FamilyLayout(
         groups,
         num_blocks=int(kv_cache_config.num_blocks),
@@ -220,7 +236,7 @@ def family_layout(
         pad=pad,
         max_page_bytes=max_page_bytes,
         page_bytes=page_bytes,
-        row_bytes=engine_row_bytes(kv_cache_config),
+        row_bytes=row,
     )
     for t in kv_cache_config.kv_cache_tensors:
         for i, name in enumerate(t.layers):

@@ -1,9 +1,10 @@
 """The kvcore object chain behind one vLLM KV cache in one process.
 
-``ElasticKVMemory(config, num_blocks=, block_bytes=)`` (``config``: the parsed
-``--kvcore-config``, ``kvcore.adapters.config.ElasticConfig``) owns, for one process, the VMM
-backend, a ``VirtualKVCache`` whose rows are vLLM blocks (block-outermost: block ``b`` of
-every layer is the ``block_bytes`` row ``b``), its ``LocalPageMapper``, a ``PageAllocator``
+``ElasticKVMemory(config, kv_cache_config)`` (``config``: the parsed ``--kvcore-config``,
+``kvcore.adapters.config.ElasticConfig``) owns, for one process, the VMM backend, a
+``VirtualKVCache`` on the model-family layout of vLLM's ``KVCacheConfig``
+(``groups.family_layout``: block-outermost, block ``b`` of every layer of every group is row
+``b``, as wide as vLLM's block stride), its ``LocalPageMapper``, a ``PageAllocator``
 gated by ``limit_bytes`` (or, with ``gpu_ledger``, by this instance's record in the per-GPU
 ledger, which is how two engines share one GPU's budget; or by a ``MemoryGate`` the embedding
 process passes as ``gate=``) and the ``BlockLedger`` the elastic block pool draws from. Block 0
@@ -22,7 +23,6 @@ engine-agnostic module of kvcore's core once both settle.)
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict
@@ -33,9 +33,9 @@ import torch
 from kvcore.accounting import MemoryGate
 from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.vllm.fence import FencedBlockLedger, StepFence
+from kvcore.adapters.vllm.groups import family_layout
 from kvcore.blocks import BlockLedger
 from kvcore.errors import KvcoreError
-from kvcore.geometry import KVGeometry
 from kvcore.pages import PageAllocator, PageStats
 from kvcore.tensors import LocalPageMapper, VirtualKVCache
 from kvcore.vmm import open_backend
@@ -57,9 +57,15 @@ class ElasticKVMemory:
     """kvcore memory behind one vLLM KV cache in this process (module docstring).
 
     Raises ``BackendUnavailable``/``VmmError`` when the backend cannot be opened or cannot
-    reserve the range, ``GeometryError`` when a page cannot hold whole blocks (its hint names
-    sizes that work), ``PoolFailed`` when the null block's page cannot be mapped; nothing is
+    reserve the range, ``UnsupportedConfiguration`` for a KV cache kvcore has no layout for,
+    ``GeometryError`` when a page cannot hold whole rows (its hint names sizes that work; a
+    config with tensors is never padded here: ``groups.pad_for_pages`` did that in the engine
+    core), ``PoolFailed`` when the null block's page cannot be mapped; nothing is
     left reserved or mapped on failure.
+
+    ``layout``: the ``kvcore.families.FamilyLayout`` the memory is built on (its ``geometry``;
+    ``layout.view(memory.cache, layer, role)`` is one layer's state, aliasing the views vLLM
+    builds over ``buffer()``).
 
     ``gate``: the memory gate to charge instead of the one ``config`` describes
     (``limit_bytes`` / ``gpu_ledger``), for a process that owns the budget policy itself
@@ -73,9 +79,8 @@ class ElasticKVMemory:
     def __init__(
         self,
         config: ElasticConfig,
+        kv_cache_config: Any,
         *,
-        num_blocks: int,
-        block_bytes: int,
         device_index: int = 0,
         gate: MemoryGate | None = None,
         backend: VmmBackend | None = None,
@@ -94,16 +99,14 @@ class ElasticKVMemory:
             backend = open_backend(config.backend, device_index, **dict(config.backend_options))
         self.backend = backend
         try:
-            gran = self.backend.granularity()
-            self.geometry = KVGeometry(
-                num_layers=1,  # block-outermost: one row holds the block of every layer
-                kv_buffers=1,
-                block_bytes=block_bytes,
-                num_blocks=num_blocks,
-                page_bytes=config.page_bytes or math.lcm(block_bytes, gran),
-                granularity=gran,
-                layout="compound",
+            self.layout = family_layout(
+                kv_cache_config,
+                self.backend.granularity(),
+                page_bytes=config.page_bytes,
+                pad=not kv_cache_config.kv_cache_tensors,  # nothing views kvcore's rows
             )
+            self.geometry = self.layout.geometry
+            num_blocks, block_bytes = self.geometry.num_blocks, self.geometry.block_bytes
             self.cache = VirtualKVCache(self.backend, self.geometry, sanity=config.sanity)
             self.mapper = LocalPageMapper(self.cache)
             if gate is None:

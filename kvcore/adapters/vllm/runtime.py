@@ -44,6 +44,7 @@ import torch
 from kvcore.accounting import MemoryGate
 from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.vllm.checks import check_vllm_config
+from kvcore.adapters.vllm.groups import engine_row_bytes, pad_for_pages
 from kvcore.adapters.vllm.memory import ElasticKVMemory, settings_dict
 from kvcore.adapters.vllm.parallel import (
     PARALLEL_KEY,
@@ -54,7 +55,8 @@ from kvcore.adapters.vllm.parallel import (
     release_worker_memory,
     worker_buffer,
 )
-from kvcore.errors import KvcoreError, UnsupportedConfiguration
+from kvcore.errors import BackendUnavailable, KvcoreError, UnsupportedConfiguration
+from kvcore.vmm import open_backend
 from kvcore.vmm.base import VmmBackend
 
 __all__ = [
@@ -81,13 +83,29 @@ def elastic_settings(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
 
     Called by the engine core once the KV cache configuration is known, before any worker
     allocates. Raises ``UnsupportedConfiguration`` naming the first setting elastic mode does
-    not support (``checks.check_vllm_config``) or a malformed ``--kvcore-config``."""
+    not support (``checks.check_vllm_config``) or a malformed ``--kvcore-config``;
+    ``GeometryError`` when no page can hold a block row. When vLLM's block row tiles no
+    page exactly, ``kv_cache_config`` is re-strided in place to kvcore's padded row
+    (``groups.pad_for_pages``: fewer blocks in the same bytes), which is why this must run
+    before the scheduler's config is derived."""
     raw = getattr(vllm_config.cache_config, "kvcore_config", None)
     config = ElasticConfig.parse(raw)
     check_vllm_config(vllm_config, kv_cache_config)
+    before = (kv_cache_config.num_blocks, engine_row_bytes(kv_cache_config))
+    stride = pad_for_pages(
+        kv_cache_config, _planning_granularity(config), page_bytes=config.page_bytes
+    )
+    if stride is not None:
+        log.info(
+            "kvcore: block row of %d bytes padded to %d (whole rows per page): %d -> %d blocks",
+            before[1],
+            stride,
+            before[0],
+            kv_cache_config.num_blocks,
+        )
     settings = settings_dict(config)
     settings[RELEASE_FENCE] = _overlapping_batches(vllm_config)
-    parallel = channel_settings(vllm_config, config, block_bytes=_block_bytes(kv_cache_config))
+    parallel = channel_settings(vllm_config, config, block_bytes=engine_row_bytes(kv_cache_config))
     if parallel is not None:  # TP x PP > 1: the workers serve kvcore's channel (parallel.py)
         settings[PARALLEL_KEY] = parallel
     return settings
@@ -101,7 +119,7 @@ def elastic_kv_buffer(kv_cache_config: Any, device: torch.device, nbytes: int) -
     block-outermost layout, ``GeometryError`` when a physical page cannot hold whole blocks
     (its hint names page sizes that work)."""
     num_blocks = int(kv_cache_config.num_blocks)
-    block_bytes = _block_bytes(kv_cache_config)
+    block_bytes = engine_row_bytes(kv_cache_config)
     if nbytes != num_blocks * block_bytes:
         raise UnsupportedConfiguration(
             f"elastic KV: the KV cache buffer is {nbytes} bytes, not {num_blocks} blocks of "
@@ -231,14 +249,12 @@ def _make(
     gate: MemoryGate | None = None,
     backend: VmmBackend | None = None,
 ) -> ElasticKVMemory:
-    num_blocks, block_bytes = _key(kv_cache_config)
     settings = dict(kv_cache_config.kvcore or {})
     release_fence = bool(settings.pop(RELEASE_FENCE, False))
     config = ElasticConfig.parse(settings)
     return ElasticKVMemory(
         config,
-        num_blocks=num_blocks,
-        block_bytes=block_bytes,
+        kv_cache_config,
         device_index=device_index,
         gate=gate,
         backend=backend,
@@ -262,20 +278,22 @@ def _overlapping_batches(vllm_config: Any) -> bool:
 
 
 def _key(kv_cache_config: Any) -> tuple[int, int]:
-    return int(kv_cache_config.num_blocks), _block_bytes(kv_cache_config)
+    return int(kv_cache_config.num_blocks), engine_row_bytes(kv_cache_config)
 
 
-def _block_bytes(kv_cache_config: Any) -> int:
-    """Bytes of one block across every layer: the block stride of the block-outermost
-    tensor, else (a config without tensors, as the scheduler tests build) the groups'
-    per-layer page sizes summed."""
-    tensors = kv_cache_config.kv_cache_tensors
-    if tensors:
-        return max(int(t.block_stride) for t in tensors)
-    total = 0
-    for group in kv_cache_config.kv_cache_groups:
-        total += int(group.kv_cache_spec.page_size_bytes) * max(len(group.layer_names), 1)
-    return max(total, 1)
+def _planning_granularity(config: ElasticConfig) -> int:
+    """The page granularity the workers' backend will have, for the engine core's padding
+    decision: the backend's own, else (its driver is not loadable in this process) 2 MiB,
+    the CUDA/HIP VMM granularity of every supported GPU; the worker re-checks its real
+    granularity without padding (``ElasticKVMemory``), so a wrong guess fails there."""
+    try:
+        backend = open_backend(config.backend, 0, **dict(config.backend_options))
+    except BackendUnavailable:
+        return 2 << 20
+    try:
+        return int(backend.granularity())
+    finally:
+        backend.close()
 
 
 def _block_size(kv_cache_config: Any) -> int:

@@ -22,7 +22,12 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -329,13 +334,16 @@ def test_unsupported_configuration_is_named_at_start_up() -> None:
     config.scheduler_config.async_scheduling = True  # supported: the release fence is wired
     assert elastic_settings(config, kv)["release_fence"] is True
     config.scheduler_config.async_scheduling = False
-    two = KVCacheConfig(
+    chunked = ChunkedLocalAttentionSpec(
+        block_size=BLOCK, num_kv_heads=1, head_size=4, dtype=torch.float32, attention_chunk_size=64
+    )
+    hybrid = KVCacheConfig(  # two groups are fine; a spec without a kvcore layout is not
         num_blocks=64,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["l"], SPEC), KVCacheGroupSpec(["m"], SPEC)],
+        kv_cache_groups=[KVCacheGroupSpec(["l"], SPEC), KVCacheGroupSpec(["m"], chunked)],
     )
-    with pytest.raises(UnsupportedConfiguration, match="2 KV cache groups"):
-        elastic_settings(config, two)
+    with pytest.raises(UnsupportedConfiguration, match=r"group 1 .*ChunkedLocalAttentionSpec"):
+        elastic_settings(config, hybrid)
     parallel = config.parallel_config
     object.__setattr__(config, "parallel_config", _Parallel())
     try:
