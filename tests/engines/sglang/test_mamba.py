@@ -300,9 +300,10 @@ def test_hybrid_linear_kv_pool_and_mamba_state_are_elastic_together(scopes: Any)
 @requires_fork
 def test_a_state_row_without_an_exact_page_is_refused_by_name(scopes: Any) -> None:
     scope = scopes()
+    pool = upstream_pool()  # built outside the scope: the series' seam would back it
     with scope, pytest.raises(UnsupportedConfiguration, match=r"temporal \(7, 1001\)"):
         scope.mamba_buffers(
-            upstream_pool(),
+            pool,
             layers=2,
             conv_shapes=[(96, 3)],
             conv_dtype=torch.bfloat16,
