@@ -76,7 +76,12 @@ def vllm_views(s: Stack, kv_config: Any) -> dict[str, torch.Tensor]:
     """vLLM's own per-layer views over kvcore's virtual buffer (the flat ``int8`` buffer the
     adapter hands ``allocate_kv_cache``)."""
     g = s.layout.geometry
-    raw = s.cache.view(0, 0, torch.int8, (g.block_bytes,)).reshape(-1)
+    return views_over(s.cache.view(0, 0, torch.int8, (g.block_bytes,)).reshape(-1), kv_config)
+
+
+def views_over(raw: torch.Tensor, kv_config: Any) -> dict[str, torch.Tensor]:
+    """What ``allocate_kv_cache`` builds over the flat buffer ``raw``: vLLM's own
+    ``create_kv_cache_views`` for every tensor of ``kv_config``."""
     layout = iface.KVCacheLayout[LAYOUT]
     out: dict[str, torch.Tensor] = {}
     specs = {
@@ -289,3 +294,89 @@ def test_vllm_keys_prefix_cache_entries_by_group() -> None:
     assert len(keys) == 3
     assert sorted(utils.get_group_id(k) for k in keys) == [0, 1, 2]
     assert {utils.get_block_hash(k) for k in keys} == {digest}
+
+
+# -- the adapter's memory, per family, on each backend ----------------------------------------
+
+
+def _gemma() -> tuple[dict[str, Any], int]:
+    full = iface.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=BF16)
+    window = iface.SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=BF16, sliding_window=512
+    )
+    return {f"model.layers.{i}.attn": full if i % 3 == 2 else window for i in range(6)}, 8 * MiB
+
+
+def _mamba_hybrid() -> tuple[dict[str, Any], int]:
+    full = iface.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=BF16)
+    mamba = mamba2_spec()
+    return {"l0.attn": full, "l1.mixer": mamba, "l2.mixer": mamba, "l3.attn": full}, 8 * MiB
+
+
+def _deepseek_mla() -> tuple[dict[str, Any], int]:
+    mla = iface.MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=BF16)
+    return {f"model.layers.{i}.self_attn": mla for i in range(61)}, 96 * MiB
+
+
+FAMILY_MODELS = {
+    "gemma-hybrid": _gemma,
+    "mamba-hybrid": _mamba_hybrid,
+    "deepseek-mla": _deepseek_mla,
+}
+
+
+@pytest.mark.parametrize("backend", ["host", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("family", list(FAMILY_MODELS))
+def test_adapter_memory_backs_each_family_and_vllm_views_alias_it(
+    vllm_config: Any, family: str, backend: str
+) -> None:
+    """The vLLM adapter's ``ElasticKVMemory`` on a real planner config of each family: rows
+    padded where a page needs it (as the engine core does), blocks from its ledger map pages,
+    bytes written through vLLM's views (device kernels on ``cuda``) read back through kvcore's
+    layout views at the same addresses, and the pages go back when the blocks are freed."""
+    from kvcore.adapters.config import ElasticConfig
+    from kvcore.adapters.vllm.groups import pad_for_pages
+    from kvcore.adapters.vllm.memory import ElasticKVMemory
+    from kvcore.vmm import open_backend
+
+    specs, memory_bytes = FAMILY_MODELS[family]()
+    kv = plan(vllm_config, specs, memory_bytes)
+    options: dict[str, Any] = {}
+    if backend == "host":
+        options = {"granularity": 2 * MiB, "device_bytes": 256 * MiB}
+    probe = open_backend(backend, 0, **options)
+    gran = probe.granularity()
+    probe.close()
+    dense = kv.kv_cache_tensors[0].block_stride
+    stride = pad_for_pages(kv, gran)  # what elastic_settings does in the engine core
+    if family == "deepseek-mla":
+        assert stride is not None and stride > dense  # 61 x 64 x 1152 tiles no 2 MiB page
+    config = ElasticConfig.parse({"backend": backend, "backend_options": options})
+    memory = ElasticKVMemory(config, kv)
+    try:
+        layout = memory.layout
+        assert layout.geometry.block_bytes == kv.kv_cache_tensors[0].block_stride
+        theirs = views_over(memory.buffer(), kv)
+        assert memory.stats().in_use == 1  # the null block's page
+        blocks = memory.ledger.alloc(min(kv.num_blocks - 1, 4 * layout.geometry.blocks_per_page))
+        assert blocks is not None
+        assert memory.stats().in_use == len({layout.geometry.page_of(b) for b in [0, *blocks]})
+        picked = blocks[:2] + blocks[-2:]
+        for salt, p in enumerate(layout.placements):
+            their = theirs[p.layer]
+            first = layout.groups[p.group].cell[0].role
+            start = p.offset - layout.place(p.layer, first).offset
+            ours = layout.view(memory.cache, p.layer, p.role)
+            nbytes = ours[0].numel() * ours.element_size()
+            for b in picked:
+                raw = their[b].view(torch.uint8).reshape(-1)[start : start + nbytes]
+                assert raw.data_ptr() == ours[b].data_ptr()
+                values = torch.arange(nbytes, device=raw.device, dtype=torch.int32)
+                raw.copy_(((values * 7 + b * 13 + salt) % 251).to(torch.uint8))
+                got = ours[b].contiguous().view(torch.uint8).reshape(-1)
+                assert torch.equal(got.cpu(), raw.cpu())
+        memory.ledger.free(blocks)
+        assert memory.pages is not None and memory.pages.flush()
+        assert memory.stats().in_use == 1  # every page but the null block's went back
+    finally:
+        memory.close()
