@@ -438,6 +438,46 @@ def test_free_gives_back_exactly_the_pages_named_as_a_run_or_scattered(make: Any
     assert ledger.used() == used and e.pages().in_use == 1  # page 0: the reserved block
 
 
+@requires_cpu_paged_kernels
+def test_extend_on_the_triton_path_calls_the_kernel_as_upstream_does(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Elastic extend launches SGLang's Triton index kernel itself (GPU path). No Triton
+    here, so the kernel is replaced, for both allocators, by a recorder that runs SGLang's
+    own torch fallback with the Triton argument order: the elastic launch must pass what
+    upstream's does (grid, lengths, last locations, page size) and index the same tokens."""
+    from sglang.srt.mem_cache.allocator import paged
+
+    from kvcore.adapters.sglang import allocators
+
+    calls: list[tuple[Any, tuple[Any, ...]]] = []
+
+    class Recorder:  # stands in for the Triton kernel: kernel[grid](*args)
+        def __getitem__(self, grid: Any) -> Any:
+            def launch(*args: Any) -> None:
+                calls.append((grid, args))
+                prefix, seq, last, pages, out, _, page_size = args
+                paged.alloc_extend_naive(prefix, seq, last, pages, out, page_size, out.device)
+
+            return launch
+
+    monkeypatch.setattr(paged, "alloc_extend_kernel", Recorder())
+    monkeypatch.setattr(allocators, "alloc_extend_kernel", Recorder())
+    outs = []
+    for mode in ("off", "on"):
+        a = make(mode, size=2048, page_size=16).allocator
+        a.use_triton_kernels = True
+        outs.append(extend(a, [0, 16, 0], [300, 40, 17], [-1, 15, -1]))
+    (up_grid, up), (el_grid, el) = calls
+    assert el_grid == up_grid == (3,)
+    for i in (0, 1, 2, 5, 6):  # prefix lens, seq lens, last locations, next pow2, page size
+        same = torch.equal(el[i], up[i]) if isinstance(up[i], torch.Tensor) else el[i] == up[i]
+        assert same, i
+    assert outs[1].shape == outs[0].shape == (300 + 24 + 17,)
+    assert torch.equal(outs[1] % 16, outs[0] % 16)  # the same slots of (other) pages
+    assert len(set(outs[1].tolist())) == outs[1].numel()
+
+
 @pytest.mark.parametrize(("kind", "nth"), [("reserve", 2), ("create", 1), ("map", 3)])
 def test_a_failing_driver_call_at_startup_leaves_nothing_behind(kind: str, nth: int) -> None:
     from kvcore.adapters.config import ElasticConfig
