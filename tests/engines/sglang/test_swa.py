@@ -344,3 +344,22 @@ def test_cached_token_bound_holds_for_the_swa_allocator(stacks: Any) -> None:
     s.alloc.evict_to_free_tokens(tree, PS)  # SGLang calls this before every allocation
     assert tree.full_evictable_size() <= 4 * PS
     assert s.full.ledger.used() <= 1 + 4
+
+
+@requires_cpu_paged_kernels
+def test_grouped_frees_release_both_sides_at_group_end(kv_mode: str, stacks: Any) -> None:
+    s = stacks(kv_mode, reserve_min=0, reserve_max=0)
+    a, b = s.extend(3 * PS), s.extend(2 * PS)
+    assert a is not None and b is not None
+    s.alloc.free_group_begin()
+    s.alloc.free(a)
+    s.alloc.free_swa(b[:PS])  # a window slide inside the same group
+    assert s.alloc.full_available_size() == FULL - 5 * PS  # nothing released yet
+    s.alloc.free_group_end()
+    assert s.alloc.full_available_size() == FULL - 2 * PS
+    assert s.alloc.swa_available_size() == SWA - PS
+    s.alloc.free_full(b[:PS])
+    s.alloc.free(b[PS:])
+    assert (s.alloc.full_available_size(), s.alloc.swa_available_size()) == (FULL, SWA)
+    if kv_mode == "on":
+        assert s.mapped() == (1, 1)
