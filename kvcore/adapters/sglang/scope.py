@@ -283,7 +283,7 @@ def _tp_agreement(config: ElasticConfig) -> RankAgreement | None:
         return None
     try:
         group = parallel.attn_tp_group
-    except (RuntimeError, ValueError, AttributeError):
+    except (RuntimeError, ValueError, AttributeError, AssertionError):  # 0.5.20 asserts
         group = None
     if group is None:
         raise UnsupportedConfiguration(
