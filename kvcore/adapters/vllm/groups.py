@@ -184,8 +184,9 @@ def engine_row_bytes(kv_cache_config: Any) -> int:
     for group in kv_cache_config.kv_cache_groups:
         specs = _layer_specs(group)
         row = max(row, sum(int(s.page_size_bytes) for s in specs))
-        for s in specs:
-            align = math.lcm(align, int(s.get_block_stride_alignment()))
+        for s in specs:  # vLLM 0.30.0's specs have no block_stride_alignment
+            alignment = getattr(s, "get_block_stride_alignment", lambda: 1)
+            align = math.lcm(align, int(alignment()))
     return max(-(-row // align) * align, 1)
 
 
