@@ -234,6 +234,16 @@ def test_hybrid_mixed_cells_fit_compound_but_not_per_layer() -> None:
         FamilyLayout([full, sw], num_blocks=8, granularity=HOST_GRANULARITY, layout="per-layer")
 
 
+def test_an_engine_row_wider_than_the_groups_is_planned_and_a_narrower_one_refused() -> None:
+    full = attention_group(["f0"], block_size=16, num_kv_heads=4, head_size=128, dtype=BF16)
+    aligned = full.stride + 4096  # e.g. vLLM rounding its block stride to an alignment
+    fam = FamilyLayout([full], num_blocks=8, granularity=HOST_GRANULARITY, row_bytes=aligned)
+    assert fam.plan.row_bytes == fam.geometry.block_bytes == aligned
+    assert fam.place("f0", "kv").offset == 0  # the cell stays where it was; the tail is padding
+    with pytest.raises(GeometryError, match="narrower than the groups"):
+        FamilyLayout([full], num_blocks=8, granularity=HOST_GRANULARITY, row_bytes=full.stride - 2)
+
+
 def test_a_layer_in_two_groups_is_refused() -> None:
     a = attention_group(["l0"], block_size=16, num_kv_heads=1, head_size=64, dtype=BF16)
     with pytest.raises(UnsupportedConfiguration, match="'l0' is in KV cache groups 0 and 1"):
