@@ -28,11 +28,10 @@ from typing import Any
 import pytest
 import torch
 from test_elastic_scheduler import step
-from test_families_vllm import mamba2_spec
+from test_families_vllm import mamba2_spec, planning
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core import kv_cache_planning as planning
 from vllm.v1.core.kv_cache_utils import (
     get_block_hash,
     get_group_id,
