@@ -14,8 +14,9 @@ machine without network needs:
 Modes (``--mode``): ``upstream`` and ``elastic-off`` run the tests as they are (the second
 against the forked wheel: it must behave as upstream); ``elastic-on`` adds an autouse
 fixture that sets ``KVCacheConfig.kvcore`` on every ``KVCacheConfig`` a test builds that
-elastic KV supports (one full-attention group; what start-up validation would refuse keeps
-upstream's pool, as a real engine would refuse to start elastic). ``kvcore`` is the one
+elastic KV supports (every group full attention, sliding window, MLA or Mamba,
+``checks.check_kv_cache_config``; what start-up validation would refuse keeps upstream's
+pool, as a real engine would refuse to start elastic). ``kvcore`` is the one
 switch the patched engine reads: every such coordinator-built block pool becomes kvcore's
 ``ElasticBlockPool`` on the ``host`` backend with 4 KiB pages. Tests that build vLLM's
 ``BlockPool`` directly test upstream's class in every mode.
@@ -76,6 +77,7 @@ def _kvcore_elastic_on(monkeypatch):
     from kvcore.errors import UnsupportedConfiguration
 
     original = KVCacheConfig.__init__
+    elastic = []
 
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
@@ -86,9 +88,16 @@ def _kvcore_elastic_on(monkeypatch):
         if self.kvcore is None:
             # 4 KiB pages: the tests' tiny blocks then span many pages
             self.kvcore = {"backend": "host", "backend_options": {"granularity": 4096}}
+            elastic.append(True)
 
     monkeypatch.setattr(KVCacheConfig, "__init__", init)
     yield
+    if elastic:
+        # pools close their kvcore memory when collected: without this, the memories of
+        # finished tests pile up (each holds its zero-page mappings) until mmap hits ENOMEM
+        import gc
+
+        gc.collect()
 """
 
 
