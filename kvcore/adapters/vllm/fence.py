@@ -32,11 +32,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
+from kvcore.accounting import MemoryGate
 from kvcore.blocks import BlockLedger
 from kvcore.geometry import KVGeometry
+from kvcore.mapper import PageMapper
 from kvcore.pages import PageAllocator
 
-__all__ = ["FencedBlockLedger", "StepFence"]
+__all__ = ["FencedBlockLedger", "StepFence", "fenced_block_supply"]
 
 
 class StepFence:
@@ -102,3 +104,34 @@ class FencedBlockLedger(BlockLedger):
 
     def free(self, block_ids: Sequence[int], fence: int | None = None) -> None:
         super().free(block_ids, self.fence.current() if fence is None else fence)
+
+
+def fenced_block_supply(
+    geometry: KVGeometry,
+    mapper: PageMapper,
+    gate: MemoryGate,
+    *,
+    reserve_min: int,
+    reserve_max: int,
+    release_fence: bool,
+) -> tuple[PageAllocator, StepFence, FencedBlockLedger]:
+    """The chain an elastic vLLM block pool draws from, over ``mapper`` (a local mapper, or
+    the channel coordinator driving every TP x PP rank): a ``PageAllocator`` charging
+    ``gate`` (reserve bounds clipped to the page count), its ``StepFence`` (``release_fence``:
+    overlapping batches) and the ``FencedBlockLedger`` with vLLM's null block 0 reserved.
+
+    Raises what ``PageAllocator`` and ``BlockLedger`` raise (``PoolFailed`` when block 0's
+    page cannot be mapped); on failure the allocator made here is closed again."""
+    pages = PageAllocator(
+        mapper,
+        gate,
+        reserve_min=min(reserve_min, geometry.num_pages),
+        reserve_max=min(reserve_max, geometry.num_pages),
+    )
+    try:
+        fence = StepFence(pages, enabled=release_fence)
+        ledger = FencedBlockLedger(geometry, pages, fence, reserved_blocks=(0,))
+    except BaseException:
+        pages.close()
+        raise
+    return pages, fence, ledger

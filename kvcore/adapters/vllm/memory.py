@@ -32,7 +32,7 @@ import torch
 
 from kvcore.accounting import MemoryGate
 from kvcore.adapters.config import ElasticConfig
-from kvcore.adapters.vllm.fence import FencedBlockLedger, StepFence
+from kvcore.adapters.vllm.fence import fenced_block_supply
 from kvcore.adapters.vllm.groups import family_layout
 from kvcore.blocks import BlockLedger
 from kvcore.errors import KvcoreError
@@ -111,16 +111,13 @@ class ElasticKVMemory:
             self.mapper = LocalPageMapper(self.cache)
             if gate is None:
                 self.gate = self._gate(config, num_blocks * block_bytes)
-            pages = self.geometry.num_pages
-            self.pages = PageAllocator(
+            self.pages, self.fence, self.ledger = fenced_block_supply(
+                self.geometry,
                 self.mapper,
                 self.gate,
-                reserve_min=min(config.reserve_min, pages),
-                reserve_max=min(config.reserve_max, pages),
-            )
-            self.fence = StepFence(self.pages, enabled=release_fence)
-            self.ledger = FencedBlockLedger(
-                self.geometry, self.pages, self.fence, reserved_blocks=(0,)
+                reserve_min=config.reserve_min,
+                reserve_max=config.reserve_max,
+                release_fence=release_fence,
             )
         except BaseException:
             self._teardown()

@@ -223,7 +223,7 @@ class ChannelKVMemory:
         timeout: float | None = None,
         gate: MemoryGate | None = None,
     ) -> None:
-        from kvcore.adapters.vllm.fence import FencedBlockLedger, StepFence
+        from kvcore.adapters.vllm.fence import fenced_block_supply
 
         self.config = config
         self.parallel = parallel
@@ -239,15 +239,13 @@ class ChannelKVMemory:
                 self.gate = _gate(config, parallel, num_blocks * block_bytes)
             self.geometry = _engine_geometry(self.coordinator, num_blocks, block_bytes)
             pages = self.geometry.num_pages
-            self.pages = PageAllocator(
+            self.pages, self.fence, self.ledger = fenced_block_supply(
+                self.geometry,
                 self.coordinator,
                 self.gate,
-                reserve_min=min(config.reserve_min, pages),
-                reserve_max=min(config.reserve_max, pages),
-            )
-            self.fence = StepFence(self.pages, enabled=release_fence)
-            self.ledger = FencedBlockLedger(
-                self.geometry, self.pages, self.fence, reserved_blocks=(0,)
+                reserve_min=config.reserve_min,
+                reserve_max=config.reserve_max,
+                release_fence=release_fence,
             )
         except BaseException:
             self._teardown()
