@@ -247,7 +247,9 @@ def test_out_of_device_memory_is_a_miss_and_leaks_nothing(backend: str) -> None:
 
 
 def test_refill_thread_backs_off_on_out_of_device_memory(backend: str) -> None:
-    stack = build_stack(backend, device_pages=2, reserve_min=4, reserve_max=4)
+    # a long back-off: the halved retry (2 pages, which fit) must not run before the
+    # assertions below, however loaded the machine is
+    stack = build_stack(backend, device_pages=2, reserve_min=4, reserve_max=4, retry_interval=60)
     try:
         assert stack.pages.flush()
         st = stack.pages.stats()
