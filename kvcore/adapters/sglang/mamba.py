@@ -19,6 +19,12 @@ free slots first (so slots share pages), ``None`` when slots or pages are short.
 ``schedulable_available_size()`` (SGLang's own split for byte-coordinated allocators, read
 by ``ensure_mamba_capacity`` and the prefill budget) counts under a budget only the slots
 whose pages the headroom pays for, so SGLang evicts or waits before an allocation misses.
+At attention-TP > 1 under a budget the scope calls ``agree``: every slot allocation
+(``_do_alloc``, which SGLang's group pre-allocation also goes through) is one
+``kvcore.agreement`` decision (a MIN all-reduce of ``(ok, schedulable slots)`` over the
+attention-TP CPU group; the slots go back on the ranks that got them when a peer missed),
+and ``schedulable_available_size()`` is the agreed count plus the slots freed since. The
+agreed room is refreshed with the KV allocator's in its per-iteration ``kvcore_step``.
 
 Seam. SGLang 0.5.23 allocates the state with ``torch.zeros`` inside ``MambaPool.__init__``
 and builds the slot allocator in ``HybridReqToTokenPool._init_mamba_pool``; the patch series
@@ -42,6 +48,7 @@ import sglang
 import torch
 from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 
+from kvcore.agreement import AgreedRoom, Agreement
 from kvcore.errors import GeometryError, UnsupportedConfiguration
 from kvcore.slots import SlotStates, StateTensor
 from kvcore.vmm import open_backend
@@ -63,7 +70,15 @@ class ElasticMambaSlotAllocator(MambaSlotAllocator):  # type: ignore[misc]
 
     def __init__(self, state: SlotStates, size: int, device: str) -> None:
         self.state = state
+        self._room: AgreedRoom | None = None
         super().__init__(size, device)
+
+    def agree(self, agreement: Agreement) -> None:
+        """Agree every slot allocation and the schedulable slot count with the peer ranks
+        (``kvcore.agreement``; the scope calls this under a physical budget at TP > 1, on
+        every rank at the same point: it is a collective)."""
+        state = self.state
+        self._room = agreement.room(lambda: [state.available()], lambda: [state.free_count()])
 
     @property
     def free_slots(self) -> torch.Tensor:  # read by SGLang's leak check
@@ -76,23 +91,35 @@ class ElasticMambaSlotAllocator(MambaSlotAllocator):  # type: ignore[misc]
     def schedulable_available_size(self) -> int:
         """SGLang's planner-facing count (``ensure_mamba_capacity``, the prefill budget):
         under a budget only the free slots whose pages the headroom pays for, so SGLang
-        evicts cached states or holds requests back before ``alloc`` would miss."""
+        evicts cached states or holds requests back before ``alloc`` would miss; with an
+        agreement the agreed count (the same on every rank, no collective)."""
+        if self._room is not None:
+            return self._room.available()
         return self.state.available()
 
     def _do_alloc(self, need_size: int) -> torch.Tensor | None:
-        slots = self.state.take(need_size)
+        state = self.state
+        if self._room is None:
+            slots = state.take(need_size)
+        else:  # one agreed decision: every rank takes its slots, or none does
+            slots = self._room.decide(lambda: state.take(need_size), state.give)
         if slots is None:
             return None
         return torch.tensor(slots, dtype=torch.int64, device=self.device)
 
     def free(self, free_index: torch.Tensor) -> None:
         if free_index.numel():
-            self.state.give(free_index.tolist())
+            self._give(free_index.tolist())
 
     def clear(self) -> None:
         held = self.state.held_slots()
         if held:
-            self.state.give(held)
+            self._give(held)
+
+    def _give(self, slots: list[int]) -> None:
+        self.state.give(slots)
+        if self._room is not None:
+            self._room.freed(len(slots))
 
 
 def check_mamba_pool(pool: Any, *, envelope: bool) -> None:

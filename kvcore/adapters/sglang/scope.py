@@ -16,8 +16,11 @@ The patch series adds three seams to SGLang and this module is what they call:
 
 Everything here runs in the process of one TP rank and touches only that rank's memory:
 no page operation crosses ranks. With a physical budget at TP > 1 the ranks' allocation
-outcomes and physical room are agreed over the attention-TP CPU group
-(``kvcore.agreement.AgreedLedger``), so their schedulers stay in step.
+outcomes and physical room are agreed over the attention-TP CPU group (``kvcore.agreement``:
+``AgreedLedger`` for the token and paged allocators, ``agree`` of the hybrid SWA allocator
+and of the Mamba slot allocator; one ``Agreement`` per rank, so all of them go over one
+group and refresh together), so their schedulers stay in step. A budget at PP > 1 is
+refused (``_check_ranks_agree`` says why).
 Unsupported pool configurations raise ``UnsupportedConfiguration`` naming the setting.
 """
 
@@ -35,7 +38,7 @@ from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.sglang.allocators import elastic_allocator
 from kvcore.adapters.sglang.mamba import build_mamba_state, elastic_mamba_allocator
 from kvcore.adapters.sglang.manager import ElasticKVManager
-from kvcore.agreement import AgreedLedger, RankAgreement, TorchGroupAgreement
+from kvcore.agreement import AgreedLedger, Agreement, RankAgreement, TorchGroupAgreement
 from kvcore.errors import UnsupportedConfiguration
 from kvcore.gate_share import SharedGate
 from kvcore.slots import SlotStates
@@ -67,6 +70,8 @@ class ElasticScope:
         self.config = config if isinstance(config, ElasticConfig) else ElasticConfig.parse(config)
         self.device_index = device_index
         self.agreement = agreement
+        self._agreed: Agreement | None = None
+        self._agreed_known = False
         self.managers: list[ElasticKVManager] = []
         self.mamba_states: list[SlotStates] = []
         # one budget for every pool of this rank (hybrid SWA sub-pools, KV + Mamba state)
@@ -138,19 +143,15 @@ class ElasticScope:
     def allocator(self, upstream: Any) -> Any:
         """The elastic equivalent of the allocator SGLang built over a kvcore pool (see
         ``kvcore.adapters.sglang.allocators.elastic_allocator``); with an agreement (see the
-        class), its ledgers are wrapped in ``AgreedLedger`` (a collective: every rank calls
-        this at the same point)."""
+        class), its ledgers are wrapped in ``AgreedLedger``, or the hybrid SWA allocator
+        agrees its pairs (a collective: every rank calls this at the same point)."""
         alloc = elastic_allocator(upstream)
-        agreement = self.agreement if self.agreement is not None else _tp_agreement(self.config)
+        agreement = self._agreement()
         if agreement is not None:
-            if not hasattr(alloc, "ledger"):
-                raise UnsupportedConfiguration(
-                    f"kvcore elastic KV with a physical budget at TP > 1 over SGLang's "
-                    f"{type(upstream).__name__}: its joint admission reads the rank's own "
-                    "budget, which is not agreed across ranks",
-                    hint="drop limit_bytes and gpu_ledger from --kvcore-config, or run on one GPU",
-                )
-            alloc.ledger = AgreedLedger(alloc.ledger, agreement)
+            if hasattr(alloc, "agree"):  # the hybrid SWA allocator: one decision per pair
+                alloc.agree(agreement)
+            else:
+                alloc.ledger = AgreedLedger(alloc.ledger, agreement)
         return alloc
 
     def mamba_buffers(self, pool: Any, **shapes: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -159,13 +160,7 @@ class ElasticScope:
         ``temporal_shape``, ``temporal_dtype``, ``slots``). See
         ``kvcore.adapters.sglang.mamba``; raises ``UnsupportedConfiguration`` naming what it
         cannot back."""
-        tp, pp = _parallel_sizes()
-        if tp * pp > 1 and (self.config.limit_bytes is not None or self.config.gpu_ledger):
-            raise UnsupportedConfiguration(
-                f"kvcore elastic Mamba state with a physical budget at TP {tp} x PP {pp}: "
-                "slot allocation outcomes are not agreed across ranks",
-                hint="drop limit_bytes and gpu_ledger from --kvcore-config, or run on one GPU",
-            )
+        self._check_ranks_agree()
         state = build_mamba_state(
             pool,
             self.config,
@@ -180,8 +175,13 @@ class ElasticScope:
 
     def mamba_allocator(self, mamba_pool: Any, upstream: Any) -> Any:
         """The elastic slot allocator for a ``MambaPool`` built through ``mamba_buffers``
-        (``kvcore.adapters.sglang.mamba.elastic_mamba_allocator``)."""
-        return elastic_mamba_allocator(mamba_pool, upstream)
+        (``kvcore.adapters.sglang.mamba.elastic_mamba_allocator``); with an agreement (see
+        the class) its slot allocations are agreed (a collective, as ``allocator``)."""
+        alloc = elastic_mamba_allocator(mamba_pool, upstream)
+        agreement = self._agreement()
+        if agreement is not None:
+            alloc.agree(agreement)
+        return alloc
 
     def close(self) -> None:
         """Close every manager this scope created (unmaps pages, frees ranges)."""
@@ -193,6 +193,16 @@ class ElasticScope:
             state.close()
 
     # -- helpers -------------------------------------------------------------------------
+
+    def _agreement(self) -> Agreement | None:
+        """This rank's one ``Agreement`` (every allocator's room on one group, refreshed
+        together), made on first use; ``None`` without a budget or with one attention-TP
+        rank."""
+        if not self._agreed_known:
+            ranks = self.agreement if self.agreement is not None else _tp_agreement(self.config)
+            self._agreed = None if ranks is None else Agreement(ranks)
+            self._agreed_known = True
+        return self._agreed
 
     def _manager(
         self, pool: Any, *, kv_buffers: int, row: tuple[int, ...], rows: int
@@ -216,21 +226,44 @@ class ElasticScope:
         return manager
 
     def _check_ranks_agree(self) -> None:
-        """SGLang's TP ranks each run the same scheduler on the same inputs and must take the
-        same decisions. Without a physical budget every rank's capacity is the ledger's
-        logical count (identical on all ranks; a device shortage fails loudly on the rank
-        that hits it). With one (``limit_bytes``, ``gpu_ledger``) the attention-TP ranks
-        agree every allocation and their physical room (``allocator``). Pipeline stages
-        run schedulers of their own whose lockstep this adapter does not rely on: a budget
-        at PP > 1 is refused."""
+        """Refuse a physical budget at PP > 1 (``UnsupportedConfiguration``).
+
+        SGLang's TP ranks each run the same scheduler on the same inputs and must take the
+        same decisions. Without a physical budget every rank's capacity is the logical count
+        (identical on all ranks; a device shortage fails loudly on the rank that hits it).
+        With one (``limit_bytes``, ``gpu_ledger``) the attention-TP ranks agree every
+        allocation and their physical room (``allocator``, ``mamba_allocator``).
+
+        Pipeline stages take their own decisions too: in SGLang 0.5.23's
+        ``SchedulerPPMixin.event_loop_pp`` (``managers/scheduler_pp_mixin.py``) every stage
+        calls ``get_next_batch_to_run`` on its own ``token_to_kv_pool_allocator``; a later
+        stage gets the previous stage's *requests* (sent by ``_pp_send_pyobj_to_next_stage``
+        before that stage schedules, received by ``RequestReceiver._pull_raw_reqs``), not
+        its batches, and re-derives each micro-batch. So a per-stage budget needs agreement
+        over a group spanning the stages, entered at the same allocations on every stage.
+        The stages run that loop skewed: stage ``s`` schedules micro-batch ``i`` only after
+        its blocking ``_pp_recv_proxy_tensors`` for ``i - 1`` (the previous stage's hidden
+        states, sent after that stage launched ``i - 1``), and stage 0 takes the last stage's
+        outputs in ``_pp_commit_send_output_work_and_preprocess_output_tensors``. A
+        cross-stage all-reduce at each allocation would hold stage 0 until the last stage
+        reached the same micro-batch (collapsing the pipeline's overlap), and whether it can
+        deadlock depends on how those NCCL point-to-point transfers (and the async-depth
+        output stash, and the disaggregated loops' own consensus exchanges) order against it,
+        which no CPU test here can exercise. Following stage 0's decisions instead is no
+        better: a later stage with a smaller budget could not back them. So a budget at
+        PP > 1 stays refused; without one every stage's capacity is the logical count."""
         budget = self.config.limit_bytes is not None or self.config.gpu_ledger
         tp, pp = _parallel_sizes()
         if budget and pp > 1:
             raise UnsupportedConfiguration(
                 f"kvcore elastic KV with a physical budget (limit_bytes / gpu_ledger) at "
-                f"TP {tp} x PP {pp}: pipeline stages' allocations are not agreed",
-                hint="drop limit_bytes and gpu_ledger from --kvcore-config, or run without "
-                "pipeline parallelism",
+                f"TP {tp} x PP {pp}: every pipeline stage schedules its own micro-batches "
+                "(SGLang's event_loop_pp) from its own budget, and agreeing them would need a "
+                "collective across stages at every allocation, ordered against the stages' "
+                "point-to-point proxy and output transfers; kvcore does not agree stages",
+                hint="drop limit_bytes and gpu_ledger from --kvcore-config (without a budget "
+                "every stage plans with the same logical capacity), or run without pipeline "
+                "parallelism",
             )
 
     @staticmethod

@@ -22,8 +22,16 @@ static); here every composite allocation is all or nothing: a miss on either sid
 back what the other side took for this call and returns ``None``, which the scheduler
 handles as upstream's "out of memory" (retract / retry). Under a budget each side's
 ``*_available_size()`` counts the shared headroom once, at the joint cost of a token on both
-sides (``_joint_available``), so SGLang's admission and decode checks see the joint room
+sides (``_joint_blocks``), so SGLang's admission and decode checks see the joint room
 before they allocate.
+
+At attention-TP > 1 under a budget the scope calls ``agree``: each composite allocation
+(the all-or-nothing pair over both sub-ledgers) is one ``kvcore.agreement`` decision, one
+MIN all-reduce of ``(ok, full room, SWA room)`` over the attention-TP CPU group with
+rollback of both sides on the ranks that succeeded, and ``full_available_size`` /
+``swa_available_size`` are the agreed joint figures plus the blocks freed since: the same
+on every rank without a collective. ``kvcore_step`` (patch 0006) refreshes them while the
+budget binds.
 
 Refused with ``UnsupportedConfiguration`` at start-up: the per-request SWA ring
 (``swa_req_ring_size``), the all-SWA ``PureSWATokenToKVPoolAllocator``, SGLang's unified
@@ -33,12 +41,14 @@ quantized sub-pools are named by the scope's own checks).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 
 from kvcore.adapters.sglang.allocators import elastic_allocator
+from kvcore.agreement import AgreedRoom, Agreement, RoomLedger
 from kvcore.errors import UnsupportedConfiguration
 
 __all__ = ["ElasticSWATokenToKVPoolAllocator", "elastic_swa_allocator"]
@@ -50,8 +60,12 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):  # type: igno
 
     full_attn_allocator: Any
     swa_attn_allocator: Any
+    _agreement: Agreement | None
+    _room: AgreedRoom | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._agreement = None
+        self._room = None
         super().__init__(*args, **kwargs)
         if self._swa_req_ring:
             raise UnsupportedConfiguration(
@@ -66,17 +80,77 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):  # type: igno
 
     # -- all-or-nothing composite allocation ---------------------------------------------
 
-    def alloc(self, need_size: int) -> torch.Tensor | None:
-        assert self.page_size == 1
-        full = self.full_attn_allocator.alloc(need_size)
+    def agree(self, agreement: Agreement) -> None:
+        """Agree every composite allocation and both sides' room with the peer ranks
+        (``kvcore.agreement``; the scope calls this under a physical budget at TP > 1, on
+        every rank at the same point: it is a collective). Each allocation below is then
+        one ``AgreedRoom.decide`` over the pair; each side's ledger becomes a ``RoomLedger``
+        (frees count toward the agreed room), and ``full_available_size`` /
+        ``swa_available_size`` are the agreed joint figures."""
+        sides = (self.full_attn_allocator, self.swa_attn_allocator)
+        raw = [_raw(a.ledger) for a in sides]
+        room = agreement.room(
+            lambda: [_joint_blocks(sides[0], sides[1]), _joint_blocks(sides[1], sides[0])],
+            lambda: [ledger.geometry.num_blocks - ledger.used() for ledger in raw],
+        )
+        for i, (side, ledger) in enumerate(zip(sides, raw, strict=True)):
+            side.ledger = RoomLedger(ledger, room, i)
+        self._agreement = agreement
+        self._room = room
+
+    def kvcore_step(self, tree_cache: Any = None) -> None:
+        """Called by the patched scheduler (patch 0006) once per iteration with its tree
+        cache, on every rank in lockstep, before the iteration allocates: the prefix cache
+        is evicted down to ``max_cached_tokens`` (full-side tokens, as in
+        ``evict_to_free_tokens``), then, with an agreement, the rank's agreed rooms are
+        refreshed while a budget binds (``Agreement.step``)."""
+        if tree_cache is not None:
+            self.full_attn_allocator.enforce_cache_bound(tree_cache)
+        if self._agreement is not None:
+            self._agreement.step()
+
+    def _decide(self, attempt: Callable[[], _Pair | None]) -> _Pair | None:
+        """The pair ``attempt`` allocated, agreed with the peer ranks when there are any."""
+        if self._room is None:
+            return attempt()
+        return self._room.decide(attempt, self._undo)
+
+    def _undo(self, pair: _Pair) -> None:
+        """Give back what an allocation of both sides took (a peer missed)."""
+        _give_back(self.full_attn_allocator, pair.full, pair.full_last_loc)
+        if pair.swa is not None:
+            _give_back(self.swa_attn_allocator, pair.swa, pair.swa_last_loc)
+
+    def _pair(
+        self,
+        full_alloc: Callable[[], torch.Tensor | None],
+        swa_alloc: Callable[[], torch.Tensor | None],
+        last_loc: torch.Tensor | None,
+        swa_last_loc: torch.Tensor | None,
+    ) -> _Pair | None:
+        """Allocate the full side, then the SWA side; a SWA miss gives the full side's
+        blocks back (on this rank)."""
+        full = full_alloc()
         if full is None:
             return None
-        swa = self.swa_attn_allocator.alloc(need_size)
+        swa = swa_alloc()
         if swa is None:
-            _give_back(self.full_attn_allocator, full)
+            _give_back(self.full_attn_allocator, full, last_loc)
             return None
-        self.set_full_to_swa_mapping(full, swa)
-        return full
+        return _Pair(full, last_loc, swa, swa_last_loc)
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        assert self.page_size == 1
+        full_side, swa_side = self.full_attn_allocator, self.swa_attn_allocator
+        pair = self._decide(
+            lambda: self._pair(
+                lambda: full_side.alloc(need_size), lambda: swa_side.alloc(need_size), None, None
+            )
+        )
+        if pair is None:
+            return None
+        self.set_full_to_swa_mapping(pair.full, pair.swa)
+        return pair.full
 
     def alloc_extend(
         self,
@@ -89,19 +163,21 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):  # type: igno
     ) -> torch.Tensor | None:
         assert self.page_size > 1
         swa_last_loc = self.translate_loc_from_full_to_swa(last_loc)
-        full = self.full_attn_allocator.alloc_extend(
-            prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens
+        lens = (prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu)
+        pair = self._decide(
+            lambda: self._pair(
+                lambda: self.full_attn_allocator.alloc_extend(*lens, last_loc, extend_num_tokens),
+                lambda: self.swa_attn_allocator.alloc_extend(
+                    *lens, swa_last_loc, extend_num_tokens
+                ),
+                last_loc,
+                swa_last_loc,
+            )
         )
-        if full is None:
+        if pair is None:
             return None
-        swa = self.swa_attn_allocator.alloc_extend(
-            prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, swa_last_loc, extend_num_tokens
-        )
-        if swa is None:
-            _give_back_new_pages(self.full_attn_allocator, full, last_loc)
-            return None
-        self.set_full_to_swa_mapping(full, swa)
-        return full
+        self.set_full_to_swa_mapping(pair.full, pair.swa)
+        return pair.full
 
     def alloc_extend_swa_tail(
         self,
@@ -119,46 +195,59 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):  # type: igno
                 f"SWA tail allocation takes one request and 0 <= swa_tail_len <= "
                 f"{extend_num_tokens}, got {len(seq_lens_cpu)} requests, tail {swa_tail_len}"
             )
-        full = self.full_attn_allocator.alloc_extend(
-            prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens
-        )
-        if full is None or swa_tail_len == 0:
-            return full
+        full_side = self.full_attn_allocator
+        lens = (prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu)
         # the SWA side holds only the tail, as a fresh sequence (no prefix, no last page)
         dev = self.device
         zero = torch.zeros((1,), dtype=torch.int64)
         tail = torch.tensor([swa_tail_len], dtype=torch.int64)
-        swa = self.swa_attn_allocator.alloc_extend(
-            zero.to(dev),
-            zero,
-            tail.to(dev),
-            tail,
-            torch.full((1,), -1, dtype=torch.int64, device=dev),
-            swa_tail_len,
-            num_new_pages=-(-swa_tail_len // self.page_size),
-        )
-        if swa is None:
-            _give_back_new_pages(self.full_attn_allocator, full, last_loc)
+        fresh = torch.full((1,), -1, dtype=torch.int64, device=dev)
+
+        def attempt() -> _Pair | None:
+            if swa_tail_len == 0:
+                full = full_side.alloc_extend(*lens, last_loc, extend_num_tokens)
+                return None if full is None else _Pair(full, last_loc, None, None)
+            return self._pair(
+                lambda: full_side.alloc_extend(*lens, last_loc, extend_num_tokens),
+                lambda: self.swa_attn_allocator.alloc_extend(
+                    zero.to(dev),
+                    zero,
+                    tail.to(dev),
+                    tail,
+                    fresh,
+                    swa_tail_len,
+                    num_new_pages=-(-swa_tail_len // self.page_size),
+                ),
+                last_loc,
+                fresh,
+            )
+
+        pair = self._decide(attempt)
+        if pair is None:
             return None
-        self.set_full_to_swa_mapping(full[-swa_tail_len:], swa)
-        if swa_tail_len < extend_num_tokens:
-            self.clear_full_to_swa_mapping(full[:-swa_tail_len])
-        return full
+        if pair.swa is not None:
+            self.set_full_to_swa_mapping(pair.full[-swa_tail_len:], pair.swa)
+            if swa_tail_len < extend_num_tokens:
+                self.clear_full_to_swa_mapping(pair.full[:-swa_tail_len])
+        return pair.full
 
     def alloc_decode(
         self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor
     ) -> torch.Tensor | None:
         assert self.page_size > 1
         swa_last_loc = self.translate_loc_from_full_to_swa(last_loc)
-        full = self.full_attn_allocator.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
-        if full is None:
+        pair = self._decide(
+            lambda: self._pair(
+                lambda: self.full_attn_allocator.alloc_decode(seq_lens, seq_lens_cpu, last_loc),
+                lambda: self.swa_attn_allocator.alloc_decode(seq_lens, seq_lens_cpu, swa_last_loc),
+                last_loc,
+                swa_last_loc,
+            )
+        )
+        if pair is None:
             return None
-        swa = self.swa_attn_allocator.alloc_decode(seq_lens, seq_lens_cpu, swa_last_loc)
-        if swa is None:
-            _give_back_new_pages(self.full_attn_allocator, full, last_loc)
-            return None
-        self.full_to_swa_index_mapping[full] = swa
-        return full
+        self.full_to_swa_index_mapping[pair.full] = pair.swa
+        return pair.full
 
     def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> None:
         """SGLang's pre-allocation eviction (both sides), after first evicting the prefix
@@ -169,33 +258,27 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):  # type: igno
     # -- accounting ------------------------------------------------------------------------
 
     def full_available_size(self) -> int:
+        if self._room is not None:
+            return self._room.available(0) * int(self.page_size)
         return self._joint_available(self.full_attn_allocator, self.swa_attn_allocator)
 
     def swa_available_size(self) -> int:
+        if self._room is not None:
+            return self._room.available(1) * int(self.page_size)
         return self._joint_available(self.swa_attn_allocator, self.full_attn_allocator)
 
     def available_size(self) -> int:
         return min(self.full_available_size(), self.swa_available_size())
 
-    def _joint_available(self, side: Any, other: Any) -> int:
+    @staticmethod
+    def _joint_available(side: Any, other: Any) -> int:
         """Tokens ``side`` can take while the other side grows in step (one token each, as
-        SGLang pages them). Without a budget: the side's own figure. Under the one shared
-        budget each side's own figure counts the whole gate headroom; here it is counted
-        once, at the joint byte cost of a token on both sides, on top of the tokens free on
-        the side's mapped pages (conservative: the other side's free tokens on its mapped
-        pages would need no new page either)."""
-        own = int(side.available_size())
+        SGLang pages them). Without a budget: the side's own figure; under one, the joint
+        figure of ``_joint_blocks``. With an agreement the agreed figures are read instead
+        (``agree``)."""
         if not side._budgeted:
-            return own
-        room = side.kvcore.gate.headroom()
-        if room is None:
-            return own
-        cost = sum(
-            a.kvcore.geometry.page_device_bytes / (a.kvcore.geometry.blocks_per_page * a.page_size)
-            for a in (side, other)
-        )
-        held = side.ledger.held_free() * side.page_size
-        return max(0, min(own, int(held) + int(room // cost)))
+            return int(side.available_size())
+        return _joint_blocks(side, other) * int(side.page_size)
 
     def conservation_available_size(self) -> int:
         """The full side's logical free tokens (the scheduler's leak check in elastic mode;
@@ -236,20 +319,53 @@ def elastic_swa_allocator(upstream: SWATokenToKVPoolAllocator) -> ElasticSWAToke
     )
 
 
-def _give_back(allocator: Any, token_ids: torch.Tensor) -> None:
-    """Return the blocks of a token allocation this call made (page_size 1: token = block)
-    straight to the ledger (not through a pending free group)."""
-    if token_ids.numel():
-        allocator.ledger.free(token_ids.tolist())
+class _Pair(NamedTuple):
+    """One composite allocation: each side's token indices and the ``last_loc`` they were
+    allocated after (``None``: token granular, every index a fresh block)."""
+
+    full: torch.Tensor
+    full_last_loc: torch.Tensor | None
+    swa: torch.Tensor | None
+    swa_last_loc: torch.Tensor | None
 
 
-def _give_back_new_pages(allocator: Any, token_ids: torch.Tensor, last_loc: torch.Tensor) -> None:
-    """Return the pages a paged ``alloc_extend``/``alloc_decode`` took for this call: the
-    pages of ``token_ids`` other than the requests' prefix pages (``last_loc``'s, which the
-    first new tokens of a request may fill up)."""
+def _raw(ledger: Any) -> Any:
+    """The rank-local ``BlockLedger`` under an agreement wrapper (or ``ledger`` itself)."""
+    return getattr(ledger, "inner", ledger)
+
+
+def _joint_blocks(side: Any, other: Any) -> int:
+    """Blocks ``side``'s own ledger can take while the other side grows in step, on this
+    rank. Under the one shared budget each side's own figure counts the whole gate headroom;
+    here it is counted once, at the joint byte cost of a block on both sides, on top of the
+    blocks free on the side's mapped pages (conservative: the other side's free blocks on its
+    mapped pages would need no new page either)."""
+    ledger = _raw(side.ledger)
+    own = int(ledger.available())
+    room = side.kvcore.gate.headroom()
+    if room is None:
+        return own
+    cost = sum(
+        a.kvcore.geometry.page_device_bytes / a.kvcore.geometry.blocks_per_page
+        for a in (side, other)
+    )
+    return max(0, min(own, int(ledger.held_free()) + int(room // cost)))
+
+
+def _give_back(allocator: Any, token_ids: torch.Tensor, last_loc: torch.Tensor | None) -> None:
+    """Return the blocks an allocation of this call took straight to the rank-local ledger
+    (not through a pending free group, not counted as a free of the agreed room): every
+    token's block at ``page_size`` 1 (``last_loc`` ``None``), else the pages of
+    ``token_ids`` other than the requests' prefix pages (``last_loc``'s, which the first
+    new tokens of a request may fill up)."""
+    ledger = _raw(allocator.ledger)
+    if last_loc is None:
+        if token_ids.numel():
+            ledger.free(token_ids.tolist())
+        return
     ps = allocator.page_size
     pages = torch.unique(token_ids // ps)
     prefix = last_loc[last_loc >= 0] // ps
     new = pages[~torch.isin(pages, prefix)]
     if new.numel():
-        allocator.ledger.free(new.tolist())
+        ledger.free(new.tolist())

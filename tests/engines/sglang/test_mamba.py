@@ -79,6 +79,31 @@ def seamed_pool(scope: Any) -> tuple[Any, Any]:
     return pool, alloc
 
 
+def hybrid_stack(scope: Any, size: int = 256) -> tuple[Any, Any, Any, Any]:
+    """A hybrid Mamba model's two pools in ``scope``, as the patched SGLang builds them: the
+    Mamba state and its slot allocator, then ``HybridLinearKVPool`` (its full-attention
+    sub-pool kvcore's) of ``size`` tokens with SGLang's paged allocator. Returns
+    ``(mamba pool, slot allocator, KV pool, KV allocator)``."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+    pool, slots = seamed_pool(scope)
+    with scope:
+        kv = memory_pool.HybridLinearKVPool(
+            size=size,
+            dtype=torch.bfloat16,
+            page_size=16,
+            head_num=2,
+            head_dim=64,
+            full_attention_layer_ids=[0, 2, 4],
+            device="cpu",
+            mamba_pool=pool,
+        )
+        alloc = scope.allocator(
+            PagedTokenToKVPoolAllocator(size, 16, torch.bfloat16, "cpu", kv, False)
+        )
+    return pool, slots, kv, alloc
+
+
 @pytest.fixture
 def scopes() -> Any:
     from kvcore.adapters.sglang import ElasticScope
@@ -262,24 +287,8 @@ def test_the_series_seam_builds_elastic_state(scopes: Any) -> None:
 def test_hybrid_linear_kv_pool_and_mamba_state_are_elastic_together(scopes: Any) -> None:
     """A hybrid Mamba model's two pools in one scope: ``HybridLinearKVPool`` (its full-
     attention sub-pool is kvcore's) with SGLang's paged allocator, and the Mamba state."""
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-
     scope = scopes()
-    pool, slots = seamed_pool(scope)
-    with scope:
-        kv = memory_pool.HybridLinearKVPool(
-            size=256,
-            dtype=torch.bfloat16,
-            page_size=16,
-            head_num=2,
-            head_dim=64,
-            full_attention_layer_ids=[0, 2, 4],
-            device="cpu",
-            mamba_pool=pool,
-        )
-        alloc = scope.allocator(
-            PagedTokenToKVPoolAllocator(256, 16, torch.bfloat16, "cpu", kv, False)
-        )
+    pool, slots, kv, alloc = hybrid_stack(scope)
     manager = kv.full_kv_pool.kvcore_manager
     assert alloc.kvcore is manager
     t = torch.tensor

@@ -35,13 +35,22 @@ PAGE = 1 << 16
 class Stack:
     """An ``SWAKVPool`` and its allocator built the way SGLang's configurator does."""
 
-    def __init__(self, mode: str, page_size: int = PS, **kvcore: Any) -> None:
+    def __init__(
+        self,
+        mode: str,
+        page_size: int = PS,
+        *,
+        full: int = FULL,
+        swa: int = SWA,
+        agreement: Any = None,
+        **kvcore: Any,
+    ) -> None:
         self.scope: Any = None
 
         def pool() -> SWAKVPool:
             return SWAKVPool(
-                size=FULL,
-                size_swa=SWA,
+                size=full,
+                size_swa=swa,
                 page_size=page_size,
                 dtype=torch.bfloat16,
                 head_num=2,
@@ -55,13 +64,13 @@ class Stack:
         if mode == "on":
             from kvcore.adapters.sglang import ElasticScope
 
-            self.scope = ElasticScope({**HOST, **kvcore})
+            self.scope = ElasticScope({**HOST, **kvcore}, agreement=agreement)
             with self.scope:
                 self.pool = pool()
         else:
             self.pool = pool()
         alloc = SWATokenToKVPoolAllocator(
-            FULL, SWA, page_size, torch.bfloat16, "cpu", self.pool, False
+            full, swa, page_size, torch.bfloat16, "cpu", self.pool, False
         )
         self.alloc = self.scope.allocator(alloc) if self.scope else alloc
 
