@@ -22,7 +22,6 @@ pages; it is all or nothing across states (a miss gives back what it mapped and 
 from __future__ import annotations
 
 import heapq
-import logging
 import math
 import threading
 from collections.abc import Sequence
@@ -35,6 +34,7 @@ from kvcore.errors import InvalidTransition, PoolFailed
 from kvcore.families import plan_rows
 from kvcore.geometry import KVGeometry
 from kvcore.pages import PageAllocator
+from kvcore.teardown import CloseOnce, close_parts
 from kvcore.tensors import LocalPageMapper, VirtualKVCache
 
 if TYPE_CHECKING:
@@ -42,8 +42,6 @@ if TYPE_CHECKING:
     from kvcore.vmm.base import VmmBackend
 
 __all__ = ["SlotStates", "StateTensor"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -108,10 +106,19 @@ class _StatePages:
         lp = self.layer_pages
         return [layer * lp + j for j in js for layer in range(self.layers)]
 
+    def parts(self) -> list[tuple[str, object]]:
+        """What ``close`` releases, in order, named for ``kvcore.teardown.close_parts``."""
+        role = self.spec.role
+        return [
+            (f"{role} state's page allocator", self.pages),
+            (f"{role} state's mapper", self.mapper),
+            (f"{role} state's virtual range", self.cache),
+        ]
+
     def close(self) -> None:
-        for obj in (self.pages, self.mapper, self.cache):
-            if obj is not None:
-                obj.close()
+        """Release every part (each one even when an earlier one raises); then raise the first
+        failure."""
+        close_parts(self.parts(), on_error="raise")
 
 
 class SlotStates:
@@ -143,7 +150,7 @@ class SlotStates:
         self.gate = gate
         self._owns_backend = owns_backend
         self._lock = threading.Lock()
-        self._closed = False
+        self._once = CloseOnce()
         self._parts: list[_StatePages] = []
         self._pinned: frozenset[int] = frozenset()
         try:
@@ -284,27 +291,15 @@ class SlotStates:
         return True
 
     def close(self) -> None:
-        """Unmap every page and free the ranges (the engine is going away). Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._teardown()
+        """Unmap every page and free the ranges (the engine is going away), then close the
+        gate (and the backend when owned). Idempotent. Every part is released even when an
+        earlier one fails; the first failure is raised after."""
+        if self._once.begin():
+            self._teardown()
 
     def _teardown(self) -> None:
-        errors: list[BaseException] = []
-        for part in self._parts:
-            try:
-                part.close()
-            except Exception as exc:
-                errors.append(exc)
-        for obj in (self.gate, self.backend if self._owns_backend else None):
-            close = getattr(obj, "close", None)
-            if callable(close):
-                try:
-                    close()
-                except Exception as exc:
-                    errors.append(exc)
-        if errors:
-            log.error("kvcore: slot state shutdown left errors: %s", errors)
-            raise errors[0]
+        parts = [named for part in self._parts for named in part.parts()]
+        parts.append(("memory gate", self.gate))
+        if self._owns_backend:
+            parts.append((f"{self.backend.name} backend", self.backend))
+        close_parts(parts, on_error="raise")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +24,7 @@ from kvcore.blocks import BlockLedger
 from kvcore.families import plan_rows
 from kvcore.geometry import KVGeometry
 from kvcore.pages import PageAllocator, PageStats
+from kvcore.teardown import CloseOnce, close_parts
 from kvcore.tensors import LocalPageMapper, VirtualKVCache
 from kvcore.vmm import open_backend
 
@@ -68,8 +68,7 @@ class ElasticKVManager:
         self.config = config
         self.page_size = page_size
         self.num_rows = num_rows
-        self._closed = False
-        self._lock = threading.Lock()
+        self._once = CloseOnce()
         self.backend = backend or open_backend(
             config.backend, device_index, **dict(config.backend_options)
         )
@@ -144,29 +143,21 @@ class ElasticKVManager:
         return self.pages.stats()
 
     def close(self) -> None:
-        """Unmap every page and free the virtual ranges (the engine is going away).
-        Idempotent; buffers handed out must not be used afterwards."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._teardown()
+        """Unmap every page and free the virtual ranges (the engine is going away), then
+        leave the gate (and close the backend when this manager opened it). Idempotent;
+        buffers handed out must not be used afterwards. Every part is released even when an
+        earlier one fails; the first failure is raised after."""
+        if self._once.begin():
+            self._teardown()
 
     def _teardown(self) -> None:
-        errors: list[BaseException] = []
-        for step in ("ledger", "pages", "mapper", "cache", "gate"):
-            obj = getattr(self, step, None)
-            if obj is None or not hasattr(obj, "close"):
-                continue
-            try:
-                obj.close()
-            except Exception as exc:  # keep releasing the rest
-                errors.append(exc)
+        parts: list[tuple[str, object]] = [
+            ("block ledger", getattr(self, "ledger", None)),
+            ("page allocator", getattr(self, "pages", None)),
+            ("mapper", self.mapper),
+            ("virtual KV cache", self.cache),
+            ("memory gate", getattr(self, "gate", None)),
+        ]
         if self._owns_backend:
-            try:
-                self.backend.close()
-            except Exception as exc:
-                errors.append(exc)
-        if errors:
-            log.error("kvcore: elastic KV shutdown left errors: %s", errors)
-            raise errors[0]
+            parts.append((f"{self.backend.name} backend", self.backend))
+        close_parts(parts, on_error="raise")

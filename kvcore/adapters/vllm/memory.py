@@ -16,6 +16,11 @@ in flight mapped until that batch is done (``kvcore.adapters.vllm.fence``).
 ``gpu_ledger``: this instance's record removed from the per-GPU ledger). A step that fails
 does not stop the rest; the first failure is raised at the end.
 
+``KVMemory`` is what the elastic block pool and the runtime see of a vLLM KV memory, whatever
+holds its pages: this module's ``ElasticKVMemory`` (one process) and
+``kvcore.adapters.vllm.parallel.ChannelKVMemory`` (every TP x PP rank over a channel) both
+derive from it.
+
 (SGLang's adapter has the same chain for its pools; the two should move into one
 engine-agnostic module of kvcore's core once both settle.)
 """
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -37,11 +42,12 @@ from kvcore.adapters.vllm.groups import family_layout
 from kvcore.blocks import BlockLedger
 from kvcore.errors import KvcoreError
 from kvcore.pages import PageAllocator, PageStats
+from kvcore.teardown import CloseOnce, OnError, PartFailure, close_parts
 from kvcore.tensors import LocalPageMapper, VirtualKVCache
 from kvcore.vmm import open_backend
 from kvcore.vmm.base import VmmBackend
 
-__all__ = ["ElasticKVMemory", "settings_dict"]
+__all__ = ["ElasticKVMemory", "KVMemory", "settings_dict"]
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +59,34 @@ def settings_dict(config: ElasticConfig) -> dict[str, Any]:
     return out
 
 
-class ElasticKVMemory:
+class KVMemory:
+    """The seams a vLLM KV memory offers its block pool and the runtime (module docstring):
+    ``stats()``, ``closed`` and ``on_close``. A subclass sets ``pages`` once its page
+    allocator exists, and its ``close()`` releases its parts only when ``self._once.begin()``
+    returns ``True`` (``kvcore.teardown.CloseOnce``: once, after the ``on_close``
+    callbacks)."""
+
+    def __init__(self) -> None:
+        self.pages: PageAllocator | None = None
+        self._once = CloseOnce()
+
+    def stats(self) -> PageStats:
+        """The page allocator's snapshot (pages mapped, in use, reserved, misses, ...)."""
+        assert self.pages is not None
+        return self.pages.stats()
+
+    @property
+    def closed(self) -> bool:
+        """``close()`` was called: nothing may use this memory any more."""
+        return self._once.closed
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once, when ``close()`` starts (a registry forgetting this
+        memory; a failing callback is logged); at once if it is closed already."""
+        self._once.on_close(callback)
+
+
+class ElasticKVMemory(KVMemory):
     """kvcore memory behind one vLLM KV cache in this process (module docstring).
 
     Raises ``BackendUnavailable``/``VmmError`` when the backend cannot be opened or cannot
@@ -86,13 +119,11 @@ class ElasticKVMemory:
         backend: VmmBackend | None = None,
         release_fence: bool = False,
     ) -> None:
+        super().__init__()
         self.config = config
-        self._on_close: list[Callable[[], None]] = []
         self.cache: VirtualKVCache | None = None
         self.mapper: LocalPageMapper | None = None
-        self.pages: PageAllocator | None = None
         self.ledger: BlockLedger
-        self._closed = False
         if gate is not None:
             self.gate = gate  # set first: a failed start below still closes it
         if backend is None:
@@ -120,7 +151,7 @@ class ElasticKVMemory:
                 release_fence=release_fence,
             )
         except BaseException:
-            self._teardown()
+            self._teardown(on_error="log")  # the error that stopped the start is raised
             raise
         log.info(
             "kvcore: elastic KV cache of %d blocks (%d bytes each) on %d pages of %d bytes "
@@ -151,24 +182,6 @@ class ElasticKVMemory:
         view = self.cache.view(0, 0, torch.int8, block_shape=(g.block_bytes,))
         return view.reshape(-1)[: g.num_blocks * g.block_bytes]
 
-    def stats(self) -> PageStats:
-        """The page allocator's snapshot (pages mapped, in use, reserved, misses, ...)."""
-        assert self.pages is not None
-        return self.pages.stats()
-
-    @property
-    def closed(self) -> bool:
-        """``close()`` was called: nothing may use this memory any more."""
-        return self._closed
-
-    def on_close(self, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` once, when ``close()`` starts (a registry forgetting this
-        memory); at once if it is closed already."""
-        if self._closed:
-            callback()
-        else:
-            self._on_close.append(callback)
-
     def close(self) -> None:
         """The clean shutdown. Releases, in order: the page allocator (every page unmapped,
         the gate's charge settled), the mapper's handles, the virtual range, the gate (with
@@ -178,41 +191,28 @@ class ElasticKVMemory:
         A step that fails is logged and the rest still runs, so one failed unmap never keeps
         the ledger record or the other pages; then ``KvcoreError`` is raised naming the steps
         that failed (the first failure as its cause). The memory is closed either way."""
-        if self._closed:
-            return
-        self._closed = True
-        callbacks, self._on_close = self._on_close, []
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception:
-                log.exception("kvcore: an on_close callback failed")
-        failed = self._teardown()
-        if failed:
-            what = ", ".join(name for name, _ in failed)
-            raise KvcoreError(
-                f"elastic KV: shutdown could not release everything ({what} failed); "
-                "everything else was released",
-                hint="the log has each failure; memory the driver still holds goes with the "
-                "process (kvctl shows any ledger record left behind)",
-            ) from failed[0][1]
+        if self._once.begin():
+            self._teardown(on_error=_shutdown_error)
 
-    def _teardown(self) -> list[tuple[str, BaseException]]:
-        """Close every part that exists, logging each failure; returns them (part, error)."""
-        failed: list[tuple[str, BaseException]] = []
-        steps: list[tuple[str, Callable[[], None] | None]] = [
-            ("page allocator", getattr(self.pages, "close", None)),
-            ("mapper", getattr(self.mapper, "close", None)),
-            ("virtual KV cache", getattr(self.cache, "close", None)),
-            ("memory gate", getattr(getattr(self, "gate", None), "close", None)),
-            (f"{self.backend.name} backend", self.backend.close),
-        ]
-        for name, close in steps:
-            if close is None:
-                continue
-            try:
-                close()
-            except Exception as exc:  # keep tearing down the rest
-                log.error("kvcore: closing the %s failed: %r", name, exc, exc_info=exc)
-                failed.append((name, exc))
-        return failed
+    def _teardown(self, *, on_error: OnError) -> None:
+        """Close every part that exists (``kvcore.teardown.close_parts``)."""
+        close_parts(
+            [
+                ("page allocator", self.pages),
+                ("mapper", self.mapper),
+                ("virtual KV cache", self.cache),
+                ("memory gate", getattr(self, "gate", None)),
+                (f"{self.backend.name} backend", self.backend),
+            ],
+            on_error=on_error,
+        )
+
+
+def _shutdown_error(failed: Sequence[PartFailure]) -> KvcoreError:
+    what = ", ".join(f.part for f in failed)
+    return KvcoreError(
+        f"elastic KV: shutdown could not release everything ({what} failed); "
+        "everything else was released",
+        hint="the log has each failure; memory the driver still holds goes with the "
+        "process (kvctl shows any ledger record left behind)",
+    )

@@ -42,12 +42,11 @@ ranks only); see docs/channel.md for every outcome.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,11 +56,11 @@ import torch
 from kvcore.accounting import BudgetGate, MemoryGate, UnlimitedGate
 from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.vllm.groups import engine_row_bytes, family_layout
+from kvcore.adapters.vllm.memory import KVMemory
 from kvcore.adapters.vllm.rank_gates import RankLedgerGates, publish_device
 from kvcore.channel import ChannelCoordinator, ChannelDirectory, WorkerListener, socket_path
 from kvcore.errors import ChannelError, PoolFailed, UnsupportedConfiguration, WorkersMissing
 from kvcore.geometry import KVGeometry
-from kvcore.pages import PageAllocator, PageStats
 from kvcore.tensors import LocalPageMapper, VirtualKVCache
 from kvcore.vmm import open_backend
 
@@ -196,7 +195,7 @@ def _removed(channel: _EngineChannel) -> bool:
     return not channel.directory.path.is_dir()
 
 
-class ChannelKVMemory:
+class ChannelKVMemory(KVMemory):
     """The engine core's side of one TP x PP KV cache: a ``ChannelCoordinator`` over every
     rank, the ``PageAllocator`` gated as ``config`` says (``limit_bytes``: per GPU), its
     ``StepFence`` (``release_fence``: overlapping batches, which PP always has) and the
@@ -225,12 +224,10 @@ class ChannelKVMemory:
     ) -> None:
         from kvcore.adapters.vllm.fence import fenced_block_supply
 
+        super().__init__()
         self.config = config
         self.parallel = parallel
-        self.pages: PageAllocator | None = None
         self.ledger: FencedBlockLedger
-        self._closed = False
-        self._on_close: list[Callable[[], None]] = []
         self.gate: MemoryGate | None = gate
         self.coordinator: ChannelCoordinator | None = None
         try:
@@ -258,35 +255,13 @@ class ChannelKVMemory:
             self.coordinator.worker_pids,
         )
 
-    def stats(self) -> PageStats:
-        """The page allocator's snapshot (pages mapped on every rank, in use, ...)."""
-        assert self.pages is not None
-        return self.pages.stats()
-
-    @property
-    def closed(self) -> bool:
-        """Whether ``close`` has run."""
-        return self._closed
-
-    def on_close(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` when the memory closes (at once if it is closed already)."""
-        if self._closed:
-            callback()
-        else:
-            self._on_close.append(callback)
-
     def close(self) -> None:
         """Unmap every page on every rank, close the channel (the workers release their
         mappers) and remove its directory. Idempotent; never raises (failures are logged).
         After a fail-stop only this side is closed: the workers' memory goes with their
         processes."""
-        if self._closed:
-            return
-        self._closed = True
-        for callback in self._on_close:
-            with contextlib.suppress(Exception):
-                callback()
-        self._teardown()
+        if self._once.begin():
+            self._teardown()
 
     def _teardown(self) -> None:
         if self.pages is not None:
