@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from kvcore.accounting import BudgetGate
-from kvcore.agreement import AgreedLedger, TorchGroupAgreement
+from kvcore.agreement import AgreedLedger, Agreement, TorchGroupAgreement
 from kvcore.blocks import BlockLedger
 from kvcore.errors import AgreementError
 from kvcore.geometry import KVGeometry
@@ -137,3 +137,61 @@ def test_torch_group_errors_are_typed() -> None:
         dist.destroy_process_group()
     with pytest.raises(AgreementError, match="peer rank died"):
         agreement.min([1])
+
+
+class Items:
+    """A stand-in allocation that is not a ledger (the agreement takes any try/undo pair):
+    ``take(n)`` hands out ``n`` of ``free`` items or ``None``; ``give`` returns them."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+        self.undone: list[int] = []
+
+    def take(self, n: int) -> int | None:
+        if n > self.free:
+            return None
+        self.free -= n
+        return n
+
+    def give(self, n: int) -> None:
+        self.undone.append(n)
+        self.free += n
+
+
+def test_decide_agrees_any_try_undo_operation_and_a_room_vector() -> None:
+    peer = ScriptedPeer()
+    items = Items(10)
+    room = Agreement(peer).room(lambda: [items.free, 2 * items.free], lambda: [10, 20])
+    assert room.decide(lambda: items.take(3), items.give) == 3  # the peer agreed
+    assert (room.available(0), room.available(1)) == (7, 14)
+    peer.script = [[0, 50, 50], [4, 6]]  # the peer missed; then (4, 6) of room there
+    assert room.decide(lambda: items.take(2), items.give) is None
+    assert items.undone == [2] and items.free == 7  # undone here, once
+    assert (room.available(0), room.available(1)) == (4, 6)
+    room.freed(3, 1)
+    assert (room.available(0), room.available(1)) == (4, 9)
+    assert room.decide(lambda: items.take(99), items.give) is None  # a local miss: no undo
+    assert items.undone == [2]
+    assert [len(c) for c in peer.calls] == [2, 3, 3, 2, 3, 2]
+
+
+def test_one_step_refreshes_every_binding_room_in_one_collective(ledger: BlockLedger) -> None:
+    peer = ScriptedPeer()
+    agreement = Agreement(peer)
+    agreed = AgreedLedger(ledger, agreement)
+    items = Items(10)
+    peer.script = [[4]]  # the slot-like room starts below its logical count: it binds
+    slots = agreement.room(lambda: [items.free], lambda: [items.free])
+    assert slots.binds() and not agreed.room.binds()
+    calls = len(peer.calls)
+    peer.script = [[6]]
+    assert agreed.step() is True  # the ledger's step is the rank's: every room refreshes
+    assert peer.calls[calls:] == [[10]]  # one collective, only the binding room's figure
+    assert slots.available() == 6
+    peer.script = [[1, 3]]  # the ledger's room now binds too
+    assert agreed.alloc(1) is not None
+    peer.script = [[5, 8]]
+    assert agreement.step() is True
+    # both rooms in one collective, in the order they were created (the same on every rank)
+    assert peer.calls[-1] == [ledger.available(), items.free]
+    assert (slots.available(), agreed.available()) == (8, 5)

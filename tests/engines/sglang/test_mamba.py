@@ -110,8 +110,8 @@ def scopes() -> Any:
 
     built: list[Any] = []
 
-    def make(**kvcore: Any) -> Any:
-        s = ElasticScope({**HOST, **kvcore})
+    def make(agreement: Any = None, **kvcore: Any) -> Any:
+        s = ElasticScope({**HOST, **kvcore}, agreement=agreement)
         built.append(s)
         return s
 
@@ -321,3 +321,61 @@ def test_a_state_row_without_an_exact_page_is_refused_by_name(scopes: Any) -> No
             slots=SIZE + 1,
         )
     assert scope.mamba_states == []
+
+
+# -- TP agreement (a scripted peer rank; two real ranks: test_tp_agreement.py) ----------------
+
+
+@requires_fork
+@requires_cpu_paged_kernels
+def test_agreed_slot_allocation_rolls_back_and_refreshes_with_the_kv_room(scopes: Any) -> None:
+    """Under an agreement every slot allocation is one decision: when the peer rank missed,
+    the slots and the SSM pages they mapped here go back. The schedulable count is the
+    agreed one plus the slots freed since (no collective); a group pre-allocation is one
+    decision however many slots it hands out; and the scheduler's one ``kvcore_step``
+    refreshes the slot room and the KV room in a single collective."""
+    from tests.test_agreement import ScriptedPeer
+
+    peer = ScriptedPeer()
+    peer.script = [None, [10]]  # the slot room as this rank has it; 10 KV blocks at the peer
+    scope = scopes(agreement=peer, limit_bytes=1 << 30, reserve_min=0, reserve_max=0)
+    pool, slots, _, kv_alloc = hybrid_stack(scope)
+    assert [len(c) for c in peer.calls] == [1, 1]  # slot room, then the KV ledger's room
+    state = pool.kvcore_mamba
+    got = slots.alloc(SSM_PER_PAGE - 1)  # fits slot 0's pages
+    assert got is not None
+    books = (state.mapped_pages(), slots.available_size(), state.free_slots())
+    peer.script = [[0, 99], [2]]  # the peer missed; then 2 schedulable slots there
+    assert slots.alloc(5) is None  # would map SSM page 1 here
+    assert (state.mapped_pages(), slots.available_size(), state.free_slots()) == books
+    assert slots.schedulable_available_size() == 2
+    slots.free(got[:3])
+    assert slots.schedulable_available_size() == 5
+    calls = len(peer.calls)
+    peer.script = [[1, 6]]  # the peer got the group too, with 6 schedulable slots left
+    slots.alloc_group_begin(4)  # SGLang's pre-allocation for match_prefix
+    drained = [slots.alloc(1) for _ in range(4)]
+    slots.alloc_group_end()
+    assert len(peer.calls) == calls + 1  # one decision for the group
+    assert all(d is not None for d in drained)
+    assert slots.schedulable_available_size() == 6
+    peer.script = [[7, 12]]  # both rooms bind: refreshed together
+    kv_alloc.kvcore_step()
+    assert len(peer.calls) == calls + 2 and len(peer.calls[-1]) == 2
+    assert slots.schedulable_available_size() == 7
+    assert kv_alloc.available_size() == 12 * 16
+
+
+@requires_fork
+def test_a_failed_slot_collective_gives_the_slots_back(scopes: Any) -> None:
+    from kvcore.errors import AgreementError
+    from tests.test_agreement import ScriptedPeer
+
+    peer = ScriptedPeer()
+    pool, slots = seamed_pool(scopes(agreement=peer, limit_bytes=1 << 30))
+    state = pool.kvcore_mamba
+    books = (state.mapped_pages(), slots.available_size())
+    peer.fail = True
+    with pytest.raises(AgreementError):
+        slots.alloc(SIZE)
+    assert (state.mapped_pages(), slots.available_size()) == books

@@ -372,3 +372,59 @@ def test_grouped_frees_release_both_sides_at_group_end(kv_mode: str, stacks: Any
     assert (s.alloc.full_available_size(), s.alloc.swa_available_size()) == (FULL, SWA)
     if kv_mode == "on":
         assert s.mapped() == (1, 1)
+
+
+# -- TP agreement (a scripted peer rank; two real ranks: test_tp_agreement.py) ----------------
+
+
+@requires_fork
+@requires_cpu_paged_kernels
+def test_agreed_pairs_roll_back_both_sides_when_a_peer_misses(stacks: Any) -> None:
+    """Under an agreement every pair is one decision: when the peer rank missed a pair this
+    rank got, both sides give their blocks and pages back and the index mapping stays clear;
+    both available sizes are the agreed joint figures plus what was freed since, read
+    without a collective, refreshed by ``kvcore_step``."""
+    from tests.test_agreement import ScriptedPeer
+
+    peer = ScriptedPeer()  # rank 1, answering the MIN all-reduce from a script
+    s = stacks("on", limit_bytes=1 << 30, agreement=peer, reserve_min=0, reserve_max=0)
+    assert [len(c) for c in peer.calls] == [2]  # the room (full, SWA) agreed at build
+    first = s.extend(16 * 4)
+    assert first is not None and peer.calls[-1][0] == 1 and len(peer.calls[-1]) == 3
+    books = (s.full.ledger.used(), s.swa.ledger.used(), s.mapped())
+    mapping = s.alloc.full_to_swa_index_mapping.clone()
+    peer.script = [[0, 99, 99], [5, 3]]  # the peer missed; then 5 and 3 blocks of room there
+    assert s.extend(16 * 20) is None  # 20 blocks: new pages on both sides here
+    assert (s.full.ledger.used(), s.swa.ledger.used(), s.mapped()) == books
+    assert torch.equal(s.alloc.full_to_swa_index_mapping, mapping)
+    assert (s.alloc.full_available_size(), s.alloc.swa_available_size()) == (5 * PS, 3 * PS)
+    calls = len(peer.calls)
+    s.alloc.free(first)  # 4 blocks on each side
+    assert (s.alloc.full_available_size(), s.alloc.swa_available_size()) == (9 * PS, 7 * PS)
+    assert len(peer.calls) == calls  # reading and freeing never call the group
+    peer.script = [[40, 40]]  # the peer's budget was freed by another instance
+    s.alloc.kvcore_step()
+    assert len(peer.calls) == calls + 1
+    assert s.alloc.full_available_size() == 40 * PS
+    assert s.alloc.swa_available_size() == SWA  # capped by the SWA side's logical free count
+
+
+@requires_fork
+def test_agreed_token_pairs_roll_back_and_a_failed_collective_leaks_nothing(stacks: Any) -> None:
+    """Token-granular pairs (``page_size`` 1) roll back the same way; a collective that
+    fails (a peer died) raises ``AgreementError`` after both sides gave their tokens back."""
+    from kvcore.errors import AgreementError
+    from tests.test_agreement import ScriptedPeer
+
+    peer = ScriptedPeer()
+    s = stacks("on", page_size=1, limit_bytes=1 << 30, agreement=peer)
+    used = (s.full.ledger.used(), s.swa.ledger.used())
+    mapping = s.alloc.full_to_swa_index_mapping.clone()
+    peer.script = [[0, 99, 99]]
+    assert s.alloc.alloc(10) is None
+    assert (s.full.ledger.used(), s.swa.ledger.used()) == used
+    peer.fail = True
+    with pytest.raises(AgreementError):
+        s.alloc.alloc(10)
+    assert (s.full.ledger.used(), s.swa.ledger.used()) == used
+    assert torch.equal(s.alloc.full_to_swa_index_mapping, mapping)
