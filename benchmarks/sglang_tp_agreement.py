@@ -4,8 +4,11 @@ Two processes form a gloo group over TCP on this host (SGLang's TP CPU group is 
 group too). Each builds the real kvcore stack (host backend, ``VirtualKVCache``,
 ``LocalPageMapper``, ``PageAllocator`` under a ``BudgetGate``, ``BlockLedger``) and times,
 side by side in the same run, ``alloc(n)`` + ``free`` cycles on the plain ledger and on the
-ledger wrapped in ``AgreedLedger`` (one all-reduce of two int64 per ``alloc``), plus the
-bare all-reduce. Both ranks run the same loop in lockstep, as SGLang's TP schedulers do.
+ledger wrapped in ``AgreedLedger`` (one all-reduce of two int64 per ``alloc``), a hybrid
+SWA-like pair (two ledgers allocated together as one ``AgreedRoom.decide``: one all-reduce
+of three int64), ``Agreement.step`` with three binding rooms (a KV ledger's, a SWA pair's, a
+Mamba slot room's: one all-reduce of four int64), plus the bare all-reduce. Both ranks run
+the same loop in lockstep, as SGLang's TP schedulers do.
 
     PYTHONPATH=. python benchmarks/sglang_tp_agreement.py [--repeats 11] [--iters 500]
 
@@ -26,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvcore.accounting import BudgetGate
-from kvcore.agreement import AgreedLedger, TorchGroupAgreement
+from kvcore.agreement import AgreedLedger, Agreement, TorchGroupAgreement
 from kvcore.blocks import BlockLedger
 from kvcore.geometry import KVGeometry
 from kvcore.pages import PageAllocator
@@ -62,9 +65,18 @@ def _time(fn: Any, iters: int) -> float:
 
 def _rank(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    backend, cache, ledger = _stack()
+    stacks = [_stack() for _ in range(3)]
+    ledger, full, swa = (led for _, _, led in stacks)
     agreement = TorchGroupAgreement()
     agreed = AgreedLedger(ledger, agreement)
+    rank_agreement = Agreement(agreement)
+    pair_room = rank_agreement.room(
+        lambda: [full.available(), swa.available()],
+        lambda: [full.geometry.num_blocks - full.used(), swa.geometry.num_blocks - swa.used()],
+    )
+    # rooms that always bind (agreed figure below the logical one), so step always exchanges
+    for width in (1, 2, 1):
+        rank_agreement.room(lambda w=width: [1] * w, lambda w=width: [2] * w)
     n = args.blocks
 
     def plain() -> None:
@@ -77,22 +89,45 @@ def _rank(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
         assert ids is not None
         agreed.free(ids)
 
+    def attempt_pair() -> tuple[list[int], list[int]] | None:
+        a = full.alloc(n)
+        if a is None:
+            return None
+        b = swa.alloc(n)
+        if b is None:
+            full.free(a)
+            return None
+        return a, b
+
+    def undo_pair(got: tuple[list[int], list[int]]) -> None:
+        full.free(got[0])
+        swa.free(got[1])
+
+    def pair() -> None:
+        got = pair_room.decide(attempt_pair, undo_pair)
+        assert got is not None
+        undo_pair(got)
+
+    def step() -> None:
+        rank_agreement.step()
+
     def bare() -> None:
         agreement.min([1, 2])
 
-    runs: dict[str, list[float]] = {"plain": [], "agreed": [], "all-reduce": []}
-    for fn in (plain, with_agreement, bare):  # warm-up
+    fns = {"plain": plain, "agreed": with_agreement, "pair": pair, "step": step, "all-reduce": bare}
+    runs: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():  # warm-up
         _time(fn, args.iters // 10 or 1)
-    for _ in range(args.repeats):  # alternate, so drift hits all three alike
-        runs["plain"].append(_time(plain, args.iters))
-        runs["agreed"].append(_time(with_agreement, args.iters))
-        runs["all-reduce"].append(_time(bare, args.iters))
+    for _ in range(args.repeats):  # alternate, so drift hits all of them alike
+        for name, fn in fns.items():
+            runs[name].append(_time(fn, args.iters))
     if rank == 0:
         out.put({k: statistics.median(v) for k, v in runs.items()})
     dist.barrier()
-    ledger.close()
-    cache.close()
-    backend.close()
+    for backend, cache, led in stacks:
+        led.close()
+        cache.close()
+        backend.close()
     dist.destroy_process_group()
 
 
@@ -120,6 +155,8 @@ def main() -> None:
     )
     print(f"  plain BlockLedger      {plain:8.1f} us/cycle")
     print(f"  AgreedLedger           {agreed:8.1f} us/cycle  ({agreed / plain:.2f}x)")
+    print(f"  agreed SWA-like pair   {medians['pair']:8.1f} us/cycle  (2 x alloc + free)")
+    print(f"  Agreement.step, 3 binding rooms {medians['step']:8.1f} us")
     print(f"  bare all-reduce (2 x int64, MIN) {medians['all-reduce']:8.1f} us")
 
 
