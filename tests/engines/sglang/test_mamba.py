@@ -379,3 +379,18 @@ def test_a_failed_slot_collective_gives_the_slots_back(scopes: Any) -> None:
     with pytest.raises(AgreementError):
         slots.alloc(SIZE)
     assert (state.mapped_pages(), slots.available_size()) == books
+
+
+@requires_fork
+@pytest.mark.parametrize("budget", [{"limit_bytes": 1 << 30}, {"gpu_ledger": True}])
+def test_a_budget_at_pp_above_one_is_refused_for_mamba_state(
+    scopes: Any, budget: dict[str, Any]
+) -> None:
+    """Pipeline stages schedule on their own (SGLang's ``event_loop_pp``) and are not agreed:
+    the Mamba state's seam refuses a budget there by name, before anything is built."""
+    from sglang.srt.runtime_context import get_parallel
+
+    scope = scopes(**budget)
+    with get_parallel().override(pp_size=2), pytest.raises(UnsupportedConfiguration, match="PP 2"):
+        seamed_pool(scope)
+    assert scope.mamba_states == []
