@@ -75,10 +75,12 @@ def build(
     heads: int = 2,
     head_dim: int = 64,
     mla: bool = False,
+    device: str = "cpu",
     **kvcore: Any,
 ) -> Engine:
     """Build a KV pool and its allocator the way SGLang's configurator does, with kvcore
-    (``mode="on"``, options ``HOST | kvcore``) or without (``"off"``)."""
+    (``mode="on"``, options ``HOST | kvcore``; on ``device="cuda"`` the ``cuda`` backend at
+    its own granularity) or without (``"off"``)."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
@@ -91,7 +93,7 @@ def build(
                 kv_lora_rank=head_dim,
                 qk_rope_head_dim=16,
                 layer_num=layers,
-                device="cpu",
+                device=device,
                 enable_memory_saver=False,
             )
         return memory_pool.MHATokenToKVPool(
@@ -101,21 +103,22 @@ def build(
             head_num=heads,
             head_dim=head_dim,
             layer_num=layers,
-            device="cpu",
+            device=device,
             enable_memory_saver=False,
         )
 
     def make_allocator(pool: Any) -> Any:
         if page_size == 1:
-            return TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", pool, False)
-        return PagedTokenToKVPoolAllocator(size, page_size, torch.bfloat16, "cpu", pool, False)
+            return TokenToKVPoolAllocator(size, torch.bfloat16, device, pool, False)
+        return PagedTokenToKVPoolAllocator(size, page_size, torch.bfloat16, device, pool, False)
 
     if mode == "off":
         pool = make_pool()
         return Engine(mode, pool, make_allocator(pool))
     from kvcore.adapters.sglang import ElasticScope
 
-    scope = ElasticScope({**HOST, **kvcore})
+    backend = HOST if device == "cpu" else {"backend": "cuda"}
+    scope = ElasticScope({**backend, **kvcore})
     with scope:
         pool = make_pool()
     return Engine(mode, pool, scope.allocator(make_allocator(pool)), scope)
