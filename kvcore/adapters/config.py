@@ -31,7 +31,10 @@ class ElasticConfig:
     physical budget of this rank's KV cache (``None``: only the device limits it).
     ``reserve_min``/``reserve_max``: pre-mapped idle pages kept for bursts.
     ``max_cached_tokens``: bound on the radix cache's evictable tokens (``None``: unbounded,
-    as upstream). ``page_bytes``: physical page size (default: the smallest multiple of the
+    as upstream). ``eviction``: radix-cache eviction order, ``"page-aware"`` (leaves that empty
+    physical pages first) or ``"engine"`` (the engine's own order); ``None``: page-aware
+    where the engine adapter can apply it safely, else the engine's order.
+    ``page_bytes``: physical page size (default: the smallest multiple of the
     backend granularity that holds whole SGLang pages). ``sanity``: map the zero page
     writable and check it at every transition (debugging).
     """
@@ -44,6 +47,7 @@ class ElasticConfig:
     reserve_min: int = 0
     reserve_max: int = 0
     max_cached_tokens: int | None = None
+    eviction: str | None = None
     page_bytes: int | None = None
     sanity: bool = False
 
@@ -108,6 +112,11 @@ class ElasticConfig:
         for name in ("sanity", "gpu_ledger"):
             if not isinstance(kwargs.get(name, False), bool):
                 raise UnsupportedConfiguration(f"--kvcore-config: {name} must be true or false")
+        if kwargs.get("eviction") not in (None, "page-aware", "engine"):
+            raise UnsupportedConfiguration(
+                f'--kvcore-config: eviction must be "page-aware" or "engine", got '
+                f"{kwargs['eviction']!r}"
+            )
         if not isinstance(kwargs.get("ledger_dir") or "", str):
             raise UnsupportedConfiguration("--kvcore-config: ledger_dir must be a path string")
         config = cls(**kwargs)

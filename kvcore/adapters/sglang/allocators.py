@@ -15,9 +15,10 @@ upstream returns when its free list is short. Under a budget (``limit_bytes``,
 SGLang's admission and decode-retraction checks see the shortage before they allocate;
 without one it reports the ledger's logical free count, identical on every TP rank.
 
-``max_cached_tokens`` (``--kvcore-config``) bounds the prefix cache: every allocation's
-eviction pass (``evict_to_free_tokens``, which SGLang 0.5.23+ calls before each allocation)
-first evicts down to the bound; on older SGLang the option is refused at start-up.
+``max_cached_tokens`` (``--kvcore-config``) bounds the prefix cache: the scheduler's
+per-iteration ``kvcore_step`` (patch 0006, every version) and every allocation's eviction
+pass (``evict_to_free_tokens``, which SGLang 0.5.23+ calls before each allocation) first
+evict down to the bound.
 ``conservation_available_size()`` is what the scheduler's idle leak check adds to evictable
 + protected tokens to get the pool's total in elastic mode.
 
@@ -82,12 +83,6 @@ class _ElasticMixin:
         self.ledger = manager.ledger
         self.max_cached_tokens = manager.config.max_cached_tokens
         self._budgeted = manager.config.limit_bytes is not None or manager.config.gpu_ledger
-        if self.max_cached_tokens is not None and not _eviction_asks_allocator():
-            raise UnsupportedConfiguration(
-                "--kvcore-config max_cached_tokens needs SGLang >= 0.5.23: this SGLang's "
-                "pre-allocation eviction does not call the allocator's evict_to_free_tokens",
-                hint="drop max_cached_tokens from --kvcore-config on this SGLang version",
-            )
         self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
         self._on_cpu = self._empty.device.type == "cpu"  # read once: .device builds an object
 
@@ -117,13 +112,28 @@ class _ElasticMixin:
             return self.ledger.available()
         return self.ledger.geometry.num_blocks - self.ledger.used()
 
-    def kvcore_step(self) -> None:
-        """Called by the patched scheduler once per iteration, on every rank in lockstep:
-        where the ranks agree a physical budget (``kvcore.agreement.AgreedLedger``), refresh
-        the agreed room while the budget binds; nothing otherwise."""
+    def kvcore_step(self, tree_cache: Any = None) -> None:
+        """Called by the patched scheduler (patch 0006) once per iteration with its tree
+        cache, on every rank in lockstep, before the iteration allocates: the first call for
+        a tree attaches kvcore's eviction policy to it (``_attach_tree``); then the tree is
+        evicted down to ``max_cached_tokens`` (``enforce_cache_bound``: on SGLang < 0.5.23,
+        whose pre-allocation eviction never reaches the allocator, the bound holds at every
+        iteration start); last, where the ranks agree a physical budget
+        (``kvcore.agreement.AgreedLedger``), the agreed room is refreshed while the budget
+        binds (after the bound's eviction, so it counts the pages that freed)."""
+        if tree_cache is not None:
+            if tree_cache is not getattr(self, "_kvcore_tree", None):
+                self._attach_tree(tree_cache)
+            self.enforce_cache_bound(tree_cache)
         step = getattr(self.ledger, "step", None)
         if step is not None:
             step()
+
+    def _attach_tree(self, tree_cache: Any) -> None:
+        """Remember ``tree_cache`` and give it kvcore's eviction order where the policy allows
+        (``kvcore.adapters.sglang.eviction.attach``)."""
+        self._kvcore_tree = tree_cache
+        eviction.attach(tree_cache, self)
 
     def conservation_available_size(self) -> int:
         """Tokens the ledger holds free (logical, not capped by the physical budget): the
@@ -135,7 +145,10 @@ class _ElasticMixin:
         """Evict the prefix cache down to ``max_cached_tokens`` evictable tokens; returns the
         tokens evicted (0 without a bound or a sharing cache)."""
         bound = self.max_cached_tokens
-        if bound is None or tree_cache is None or not tree_cache.supports_prefix_sharing():
+        if bound is None or tree_cache is None:
+            return 0
+        sharing = getattr(tree_cache, "supports_prefix_sharing", None)  # 0.5.23+
+        if not (sharing() if sharing is not None else not tree_cache.is_chunk_cache()):
             return 0
         excess = tree_cache.evictable_size() - bound
         if excess <= 0:
@@ -145,12 +158,11 @@ class _ElasticMixin:
         return int(tree_cache.evict(EvictParams(num_tokens=excess)).num_tokens_evicted)
 
     def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> bool | None:
-        """SGLang's pre-allocation eviction, after first enforcing the cache bound. The first
-        call for a tree makes its eviction order page-aware where the tree is Python
-        (``kvcore.adapters.sglang.eviction.install``)."""
-        if tree_cache is not None and tree_cache is not getattr(self, "_evicting", None):
-            self._evicting = tree_cache
-            eviction.install(tree_cache, self)
+        """SGLang's pre-allocation eviction (0.5.23+), after first enforcing the cache bound.
+        A tree ``kvcore_step`` has not attached yet (a caller outside the scheduler loop) is
+        attached here first."""
+        if tree_cache is not None and tree_cache is not getattr(self, "_kvcore_tree", None):
+            self._attach_tree(tree_cache)
         self.enforce_cache_bound(tree_cache)
         return super().evict_to_free_tokens(tree_cache, num_tokens)  # type: ignore[misc,no-any-return]
 

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from kvcore.adapters.config import ElasticConfig
-from kvcore.adapters.sglang.allocators import elastic_allocator
+from kvcore.adapters.sglang import eviction
+from kvcore.adapters.sglang.allocators import _eviction_asks_allocator, elastic_allocator
 from kvcore.adapters.sglang.mamba import build_mamba_state, elastic_mamba_allocator
 from kvcore.adapters.sglang.manager import ElasticKVManager
 from kvcore.agreement import AgreedLedger, Agreement, RankAgreement, TorchGroupAgreement
@@ -79,6 +80,8 @@ class ElasticScope:
         self._serial = next(_SCOPES)  # this rank's instance name in the per-GPU ledger
         self._previous: Any = None
         self._memory_pool: Any = None
+        # before the scheduler builds its tree cache: the tree core radix eviction can wrap
+        self._tree_core_set = eviction.choose_tree_core(self.config)
         atexit.register(self.close)
 
     def __enter__(self) -> ElasticScope:
@@ -146,6 +149,15 @@ class ElasticScope:
         class), its ledgers are wrapped in ``AgreedLedger``, or the hybrid SWA allocator
         agrees its pairs (a collective: every rank calls this at the same point)."""
         alloc = elastic_allocator(upstream)
+        if self.config.max_cached_tokens is not None and not (
+            hasattr(alloc, "kvcore_step") or _eviction_asks_allocator()
+        ):
+            raise UnsupportedConfiguration(
+                f"--kvcore-config max_cached_tokens with SGLang's {type(upstream).__name__} "
+                "on this SGLang: neither the scheduler's kvcore_step nor its pre-allocation "
+                "eviction reaches the allocator, so the bound would not hold",
+                hint="drop max_cached_tokens from --kvcore-config, or use SGLang >= 0.5.23",
+            )
         agreement = self._agreement()
         if agreement is not None:
             if hasattr(alloc, "agree"):  # the hybrid SWA allocator: one decision per pair
@@ -191,6 +203,9 @@ class ElasticScope:
         states, self.mamba_states = self.mamba_states, []
         for state in states:
             state.close()
+        if self._tree_core_set:
+            self._tree_core_set = False
+            eviction.forget_tree_core()
 
     # -- helpers -------------------------------------------------------------------------
 

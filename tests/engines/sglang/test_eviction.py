@@ -1,4 +1,7 @@
-"""Page-aware radix eviction inside SGLang's real ``RadixCache`` (the Python tree).
+"""Page-aware radix eviction inside SGLang's real trees: ``RadixCache`` and
+``UnifiedRadixCache`` on its Python core (and on the Rust core where its extension loads),
+on both pinned releases, through the scheduler's per-iteration seam (patch 0006's
+``kvcore_step(tree_cache)``) and SGLang's pre-allocation eviction.
 
 MHA, 2 layers x K/V, 2 heads x 64 dims, bf16, SGLang pages of 16 tokens: a 64 KiB host
 page holds 256 tokens. Physical page 0 holds block 0 (SGLang's padded page) and 240 tokens
@@ -9,14 +12,21 @@ page; page-aware eviction evicts B first, which returns page 2.
 
 from __future__ import annotations
 
+import logging
+import os
 from array import array
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
+from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.sglang import eviction
+from kvcore.errors import UnsupportedConfiguration
 
 from .harness import matched, requires_fork
 from .test_conformance import radix
@@ -30,7 +40,7 @@ def _requires_allocator_eviction() -> Any:
     return pytest.mark.skipif(
         not _eviction_asks_allocator(),
         reason="this SGLang's pre-allocation eviction does not go through the allocator "
-        "(evict_to_free_tokens, 0.5.23+), where kvcore installs the page-aware order",
+        "(evict_to_free_tokens, 0.5.23+); the scheduler's step covers every release (below)",
     )
 
 
@@ -41,10 +51,50 @@ def _key(base: int, n: int) -> RadixKey:
     return RadixKey(token_ids=array("q", range(base, base + n)))
 
 
-def _setup(make: Any, **kvcore: Any) -> tuple[Any, Any, Any]:
+def unified_radix(allocator: Any, page_size: int) -> Any:
+    """SGLang's serving tree (``UnifiedRadixCache``, full attention only) on the tree core
+    ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND`` selects now."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    req = ReqToTokenPool(size=8, max_context_len=4096, device="cpu", enable_memory_saver=False)
+    return UnifiedRadixCache(
+        CacheInitParams(
+            disable=False,
+            req_to_token_pool=req,
+            token_to_kv_pool_allocator=allocator,
+            page_size=page_size,
+            tree_components=(ComponentType.FULL,),
+        )
+    )
+
+
+def _python_unified(allocator: Any, page_size: int) -> Any:
+    os.environ[eviction.TREE_CORE_ENV] = "python"
+    return unified_radix(allocator, page_size)
+
+
+TREES = {"radix": radix, "unified-python": _python_unified}
+
+
+@pytest.fixture(autouse=True)
+def _tree_core_env() -> Iterator[None]:
+    """Each test starts with SGLang's tree-core variable unset and leaves it as it was."""
+    saved = os.environ.pop(eviction.TREE_CORE_ENV, None)
+    yield
+    os.environ.pop(eviction.TREE_CORE_ENV, None)
+    if saved is not None:
+        os.environ[eviction.TREE_CORE_ENV] = saved
+
+
+def _setup(
+    make: Any, tree_of: Callable[[Any, int], Any] = radix, **kvcore: Any
+) -> tuple[Any, Any, Any]:
     e = make("on", size=2048, page_size=16, **kvcore)
     a = e.allocator
-    tree = radix(a, 16)
+    tree = tree_of(a, 16)
     a.alloc(240)  # a running request: page 0 (with block 0) is full
     kv_a = a.alloc(128)  # page 1, first half
     a.alloc(128)  # a running request: page 1, second half
@@ -133,3 +183,253 @@ def test_a_tree_without_a_python_strategy_is_left_alone(make: Any) -> None:
     native = SimpleNamespace(tree_core=SimpleNamespace())
     assert eviction.install(native, e.allocator) is False
     assert vars(native.tree_core) == {}
+
+
+def _strategy(tree: Any) -> Any:
+    """The eviction strategy object a Python tree ranks leaves with."""
+    core = getattr(tree, "tree_core", None)
+    return core.eviction_strategy if core is not None else tree.eviction_strategy
+
+
+# -- the scheduler's seam (patch 0006: kvcore_step(tree_cache), both releases) ---------------
+
+
+@pytest.mark.parametrize("tree_of", TREES.values(), ids=TREES.keys())
+def test_the_scheduler_step_attaches_page_aware_order(make: Any, tree_of: Any) -> None:
+    """The scheduler's first iteration hands its tree to the allocator (no allocator-side
+    eviction call needed, so this holds on 0.5.20 too); SGLang's own pre-allocation
+    eviction then takes B, returning its page."""
+    from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+    e, a, tree = _setup(make, tree_of, limit_bytes=3 * PAGE + (64 << 10))
+    base = _strategy(tree)
+    a.kvcore_step(tree)
+    assert isinstance(_strategy(tree), eviction.PageAwareEviction)
+    assert _strategy(tree).base is base
+    a.kvcore_step(tree)  # later iterations: wrapped once
+    assert _strategy(tree).base is base
+    assert a.available_size() < 128
+    evict_from_tree_cache(tree, 128)
+    assert _cached(tree, 10_000, 256) == 0 and _cached(tree, 0, 128) == 128
+    assert e.pages().in_use == 2
+    assert a.alloc(128) is not None
+
+
+@pytest.mark.parametrize("tree_of", TREES.values(), ids=TREES.keys())
+def test_the_cached_token_bound_holds_at_every_iteration(make: Any, tree_of: Any) -> None:
+    """``max_cached_tokens`` on every release: the scheduler's per-iteration step evicts
+    down to the bound, page-aware (B alone goes; LRU would take A and then B)."""
+    e, a, tree = _setup(make, tree_of, max_cached_tokens=128)
+    a.kvcore_step(tree)
+    assert tree.evictable_size() == 128
+    assert _cached(tree, 0, 128) == 128 and _cached(tree, 10_000, 256) == 0
+    assert e.pages().in_use == 2
+    kv = a.alloc(256)  # a request finishes and is cached: over the bound again
+    tree.insert(InsertParams(key=_key(20_000, 256), value=kv))
+    assert tree.evictable_size() == 384
+    a.kvcore_step(tree)  # the next iteration
+    assert tree.evictable_size() <= 128
+
+
+def test_the_engine_policy_keeps_sglangs_order(make: Any) -> None:
+    e, a, tree = _setup(make, eviction="engine")
+    a.kvcore_step(tree)
+    assert not isinstance(tree.eviction_strategy, eviction.PageAwareEviction)
+    assert tree.evict(EvictParams(num_tokens=128)).num_tokens_evicted == 128
+    assert _cached(tree, 0, 128) == 0  # LRU: A, no page returned
+    assert e.pages().in_use == 3
+
+
+# -- the tree core: kvcore's default and explicit choices ----------------------------------
+
+
+def test_an_unset_tree_core_becomes_python_until_the_scope_closes(make: Any) -> None:
+    """SGLang's serving tree built after the scope opened (as the scheduler builds it after
+    ``configure``) is on the Python core whatever the release's default, so the order
+    applies; closing the scope unsets the variable again."""
+    e = make("on", size=2048, page_size=16)
+    assert os.environ.get(eviction.TREE_CORE_ENV) == "python"
+    tree = unified_radix(e.allocator, 16)
+    assert type(tree.tree_core).__name__ == "UnifiedTreeCore"
+    e.allocator.kvcore_step(tree)
+    assert isinstance(tree.tree_core.eviction_strategy, eviction.PageAwareEviction)
+    e.scope.close()
+    assert eviction.TREE_CORE_ENV not in os.environ
+
+
+def test_an_explicit_tree_core_is_kept(make: Any, caplog: pytest.LogCaptureFixture) -> None:
+    os.environ[eviction.TREE_CORE_ENV] = "rust"
+    with caplog.at_level(logging.INFO, logger=eviction.__name__):
+        eviction._logged.clear()
+        e = make("on", size=2048, page_size=16)
+        make("on", size=2048, page_size=16)
+    assert os.environ[eviction.TREE_CORE_ENV] == "rust"
+    kept = [r for r in caplog.records if "set explicitly" in r.getMessage()]
+    assert len(kept) == 1  # logged once per process
+    e.scope.close()
+    assert os.environ[eviction.TREE_CORE_ENV] == "rust"  # not kvcore's to unset
+
+
+def test_explicit_rust_and_explicit_page_aware_fail_at_start_up() -> None:
+    os.environ[eviction.TREE_CORE_ENV] = "rust"
+    config = ElasticConfig.parse({"eviction": "page-aware"})
+    with pytest.raises(UnsupportedConfiguration) as err:
+        eviction.choose_tree_core(config)
+    assert eviction.TREE_CORE_ENV in str(err.value) and '"page-aware"' in str(err.value)
+    assert err.value.hint
+    assert eviction.choose_tree_core(ElasticConfig.parse({"eviction": "engine"})) is False
+
+
+def test_the_engine_policy_leaves_the_tree_core_alone() -> None:
+    assert eviction.choose_tree_core(ElasticConfig.parse({"eviction": "engine"})) is False
+    assert eviction.TREE_CORE_ENV not in os.environ
+
+
+def test_eviction_is_validated() -> None:
+    with pytest.raises(UnsupportedConfiguration, match="eviction"):
+        ElasticConfig.parse({"eviction": "lru"})
+
+
+def _rust_unified(allocator: Any) -> Any:
+    os.environ[eviction.TREE_CORE_ENV] = "rust"
+    try:
+        tree = unified_radix(allocator, 16)
+    except (ImportError, OSError, RuntimeError) as exc:  # no extension for this build
+        pytest.skip(f"SGLang's Rust TreeCore does not load here: {exc}")
+    if not hasattr(tree.tree_core, "eviction_strategy") and "Rust" in type(tree.tree_core).__name__:
+        return tree
+    pytest.skip(f"this SGLang resolved the Rust core to {type(tree.tree_core).__name__}")
+
+
+def test_the_rust_tree_core_keeps_sglangs_order(make: Any) -> None:
+    """With an explicit ``rust`` (default policy) the tree is SGLang's native core: nothing
+    is wrapped, eviction is SGLang's LRU, and the ledger still frees pages it empties."""
+    e = make("on", size=2048, page_size=16)
+    a = e.allocator
+    tree = _rust_unified(a)
+    a.alloc(240)
+    kv_a = a.alloc(128)
+    a.alloc(128)
+    kv_b = a.alloc(256)
+    tree.insert(InsertParams(key=_key(0, 128), value=kv_a))
+    tree.insert(InsertParams(key=_key(10_000, 256), value=kv_b))
+    a.kvcore_step(tree)
+    assert eviction.install(tree, a) is False
+    assert tree.evict(EvictParams(num_tokens=128)).num_tokens_evicted == 128
+    assert _cached(tree, 0, 128) == 0 and _cached(tree, 10_000, 256) == 256
+    assert e.pages().in_use == 3
+
+
+# -- TP > 1: the ranks' page layouts differ, so their trees must keep SGLang's order --------
+
+
+def _diverging_rank(make: Any, reserve_max: int) -> tuple[Any, Any, dict[str, Any]]:
+    """One rank's stack after the same calls every rank makes. The ranks differ only in
+    where a released page waits (``reserve_max`` here; in serving the gate's reserve target,
+    which reads the GPU's ledger, and the background unmap's timing): rank A keeps page 1
+    in its reserve, rank B queues both pages for unmapping. The next allocations land on
+    different pages, and when one free touches two equally filled pages the ledger refills
+    the lower id first, so request R ends up beside X on one rank and beside Y on the other.
+    """
+    e = make("on", size=2048, page_size=16, reserve_min=0, reserve_max=reserve_max)
+    a = e.allocator
+    tree = radix(a, 16)
+    a.alloc(240)  # page 0 (with block 0) full
+    t1, t2 = a.alloc(256), a.alloc(256)
+    a.free(t1)
+    a.free(t2)
+    e.pages()  # unmaps settled (either way the ranks differ)
+    x, px = a.alloc(128), a.alloc(128)
+    y, py = a.alloc(128), a.alloc(128)
+    tree.insert(InsertParams(key=_key(0, 128), value=x))  # X, older
+    tree.insert(InsertParams(key=_key(10_000, 128), value=y))  # Y, newer
+    a.free(torch.cat([px, py]))
+    r = a.alloc(128)  # a running request
+    pages = {name: set((t // 256).tolist()) for name, t in (("X", x), ("Y", y), ("R", r))}
+    return a, tree, pages
+
+
+def test_page_layouts_differ_between_ranks_so_page_aware_order_diverges(make: Any) -> None:
+    """The hazard, with two real ledgers fed the same calls: page-aware eviction picks a
+    different leaf on each rank; SGLang's LRU picks the same one."""
+    a_rank, a_tree, a_pages = _diverging_rank(make, reserve_max=1)
+    b_rank, b_tree, b_pages = _diverging_rank(make, reserve_max=0)
+    assert (a_pages["R"] == a_pages["Y"]) != (b_pages["R"] == b_pages["Y"])
+    for rank, tree in ((a_rank, a_tree), (b_rank, b_tree)):
+        assert eviction.install(tree, rank) is True
+        tree.evict(EvictParams(num_tokens=128))
+    a_kept = (_cached(a_tree, 0, 128), _cached(a_tree, 10_000, 128))
+    b_kept = (_cached(b_tree, 0, 128), _cached(b_tree, 10_000, 128))
+    assert a_kept != b_kept  # the ranks' trees diverged: X went on one, Y on the other
+
+
+@pytest.fixture
+def attention_tp_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's parallel context of one attention-TP rank of two (what the scheduler
+    process publishes before the pools are built)."""
+    from sglang.srt import runtime_context
+
+    ctx = SimpleNamespace(tp_size=2, attn_tp_size=2, attn_cp_size=1, pp_size=1)
+    monkeypatch.setattr(runtime_context, "get_parallel", lambda: ctx)
+
+
+@pytest.mark.usefixtures("attention_tp_2")
+def test_at_attention_tp_2_every_rank_keeps_sglangs_order(
+    make: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The guard: the same two diverging ranks at attention-TP 2 evict the same leaf (X,
+    LRU) through the scheduler's step; the default does not switch the tree core and says
+    so once."""
+    eviction._logged.clear()
+    kept = []
+    with caplog.at_level(logging.INFO, logger=eviction.__name__):
+        for reserve_max in (1, 0):
+            rank, tree, _ = _diverging_rank(make, reserve_max)
+            assert eviction.TREE_CORE_ENV not in os.environ
+            rank.kvcore_step(tree)
+            assert not isinstance(tree.eviction_strategy, eviction.PageAwareEviction)
+            tree.evict(EvictParams(num_tokens=128))
+            kept.append((_cached(tree, 0, 128), _cached(tree, 10_000, 128)))
+    assert kept == [(0, 128), (0, 128)]
+    assert sum("attention-TP 2" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.usefixtures("attention_tp_2")
+def test_explicit_page_aware_at_attention_tp_2_fails_at_start_up(make: Any) -> None:
+    with pytest.raises(UnsupportedConfiguration, match="attention-TP 2") as err:
+        make("on", size=2048, page_size=16, eviction="page-aware")
+    assert "eviction" in str(err.value) and err.value.hint
+
+
+def test_an_agreed_ledger_keeps_sglangs_order(make: Any) -> None:
+    """Ranks agreeing allocations (``AgreedLedger``; its rollback also leaves layouts that
+    differ) keep SGLang's order even where no parallel context is published."""
+    from kvcore.agreement import AgreedLedger
+
+    class _Alone:  # a one-rank agreement: the minimum of one vector is itself
+        size = 1
+
+        def min(self, values: Any) -> list[int]:
+            return list(values)
+
+    _, a, tree = _setup(make)
+    a.ledger = AgreedLedger(a.ledger, _Alone())
+    a.kvcore_step(tree)
+    assert not isinstance(tree.eviction_strategy, eviction.PageAwareEviction)
+    assert eviction.attach(tree, a) is False
+
+
+def test_a_bound_no_seam_reaches_is_refused(make: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where neither SGLang's pre-allocation eviction (< 0.5.23) nor the scheduler's step
+    (an allocator without ``kvcore_step``, e.g. the hybrid SWA one) reaches kvcore, the
+    cached-token bound is refused at start-up rather than silently not held."""
+    from kvcore.adapters.sglang import scope as scope_module
+
+    e = make("on", size=512, page_size=16, max_cached_tokens=128)
+    upstream = e.allocator
+    monkeypatch.setattr(scope_module, "_eviction_asks_allocator", lambda: False)
+    monkeypatch.setattr(scope_module, "elastic_allocator", lambda up: SimpleNamespace())
+    with pytest.raises(UnsupportedConfiguration, match="max_cached_tokens"):
+        e.scope.allocator(upstream)
+    monkeypatch.setattr(scope_module, "elastic_allocator", lambda up: up)
+    assert e.scope.allocator(upstream) is upstream  # a stepped allocator: accepted
