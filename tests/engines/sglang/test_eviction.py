@@ -433,3 +433,24 @@ def test_a_bound_no_seam_reaches_is_refused(make: Any, monkeypatch: pytest.Monke
         e.scope.allocator(upstream)
     monkeypatch.setattr(scope_module, "elastic_allocator", lambda up: up)
     assert e.scope.allocator(upstream) is upstream  # a stepped allocator: accepted
+
+
+def test_the_forked_scheduler_steps_the_allocator_with_its_tree() -> None:
+    """Patch 0006 as installed: ``get_next_batch_to_run`` passes the scheduler's tree to
+    ``kvcore_step`` first thing, before the iteration can allocate. (The scheduler module
+    needs packages this CPU environment lacks, so its source is read, not imported.)"""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.origin is not None
+    source = (Path(spec.origin).parent / "srt" / "managers" / "scheduler.py").read_text()
+    method = next(
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef) and node.name == "get_next_batch_to_run"
+    )
+    first = ast.unparse(method.body[0])
+    assert "self.token_to_kv_pool_allocator.kvcore_step(self.tree_cache)" in first
+    assert first.startswith("if hasattr(self.token_to_kv_pool_allocator, 'kvcore_step')")
