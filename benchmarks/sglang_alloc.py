@@ -15,6 +15,8 @@ Workloads, each one cycle per iteration:
 
 ``extend``  one prefill batch (8 requests x 300 new tokens) through ``alloc_extend``, then
             ``free`` of every request's tokens;
+``extend-wide``  the same with 256 requests x 20 new tokens (more requests than the
+            adapter counts new pages for in Python: SGLang's own count, as upstream);
 ``decode``  32 running requests, 16 decode steps through ``alloc_decode`` (each request
             crosses a page boundary once), then ``free``;
 ``token``   ``page_size=1``: ``alloc(64)`` then ``free``.
@@ -27,8 +29,10 @@ blind to time the machine gave other processes); the ratio is the median of the 
 ratios of adjacent runs (both sides under the same load). On CPU both sides' cost is mostly
 SGLang's own index arithmetic (its torch fallback of the Triton kernel) and
 ``torch.unique`` on every free, plus, for upstream, ``torch.cat`` of the whole free list;
-kvcore's share is the ledger calls, one exact new-page count per allocation and the
-list<->tensor conversions.
+kvcore's share is the ledger calls and the list<->tensor conversions. Both sides count the
+batch's new pages once per allocation (upstream after its kernel, kvcore before taking
+blocks): SGLang's ``get_num_new_pages`` (eight torch calls) upstream, Python ints from the
+same CPU lengths in kvcore's adapter up to 128 requests, SGLang's function above.
 """
 
 from __future__ import annotations
@@ -76,12 +80,19 @@ def _stack(elastic: bool, page_size: int) -> Engine:
     )
 
 
-def _extend_cycle(a: Any) -> None:
-    n, new = 8, 300
+def _extend(a: Any, n: int, new: int) -> None:
     z = torch.zeros(n, dtype=torch.int64)
     s = torch.full((n,), new, dtype=torch.int64)
     out = a.alloc_extend(z, z, s, s, torch.full((n,), -1, dtype=torch.int64), n * new)
     a.free(out)
+
+
+def _extend_cycle(a: Any) -> None:
+    _extend(a, 8, 300)
+
+
+def _wide_extend_cycle(a: Any) -> None:
+    _extend(a, 256, 20)
 
 
 def _decode_cycle(a: Any) -> None:
@@ -105,6 +116,7 @@ def _token_cycle(a: Any) -> None:
 
 WORKLOADS: dict[str, tuple[int, Callable[[Any], None]]] = {
     "extend": (PAGE, _extend_cycle),
+    "extend-wide": (PAGE, _wide_extend_cycle),
     "decode": (PAGE, _decode_cycle),
     "token": (1, _token_cycle),
 }

@@ -86,7 +86,8 @@ class BlockLedger:
         self._nonempty = 0
         # per page: _NOT_HELD, 0 (held, full) or its free count f (held, in bucket f)
         self._bucket_of = [_NOT_HELD] * num_pages
-        self._short_last = self._capacity[-1] != bpp  # the geometry's last page is short
+        # the geometry's last page when it holds fewer than bpp blocks (else -1: none)
+        self._short_page = num_pages - 1 if self._capacity[-1] != bpp else -1
         self._free_slots = 0  # free blocks on held pages
         self._used = 0  # allocated blocks, reserved ones included
         self._lock = threading.Lock()
@@ -109,7 +110,7 @@ class BlockLedger:
         # the rows that differ (the short last page, pages holding reserved blocks)
         self._full_row = _ALLOCATED_BYTE * bpp
         self._full_rows: dict[int, bytes] = {}
-        if self._short_last:
+        if self._short_page >= 0:
             self._full_rows[num_pages - 1] = _ALLOCATED_BYTE * self._capacity[-1]
         for p in held:
             first = p * bpp
@@ -268,7 +269,7 @@ class BlockLedger:
         if got is None:
             return None
         got.sort()  # ascending: consecutive pages make one run of block ids
-        if not self._short_last:
+        if got[-1] != self._short_page:  # every page whole: they cover ``blocks``
             return got
         capacity = self._capacity
         covered = sum(capacity[p] for p in got)
@@ -420,32 +421,45 @@ class BlockLedger:
     def _free_run(self, first: int, n: int, fence: int | None) -> bool:
         """``_free_by_page`` for the distinct ids ``first .. first+n-1`` (a request's blocks,
         SGLang's sorted page ids): one count checks them all, one slice write frees them,
-        and a page they empty costs no stack work. ``False`` with nothing changed when one
-        is not allocated. Caller holds ``_lock``."""
+        and the pages between the run's first and last, which it covers whole, are emptied
+        with slice operations (no stack or bucket work). ``False`` with nothing changed when
+        one is not allocated. Caller holds ``_lock``."""
         state = self._state
         end = first + n
         if state.count(_ALLOCATED, first, end) != n:
             return False
         state[first:end] = bytes(n)
         self._used -= n
-        free_slots = self._free_slots + n
+        self._free_slots += n
         bpp = self._bpp
-        stacks = self._stacks
+        head, tail = first // bpp, (end - 1) // bpp
         emptied: list[int] = []
-        lo = first
-        for p in range(first // bpp, (end - 1) // bpp + 1):
-            hi = min((p + 1) * bpp, end)
-            now = len(stacks[p]) + hi - lo
-            if self._rebucket(p, now):
-                free_slots -= now
-                emptied.append(p)
-            else:
-                stacks[p] += range(lo, hi)
-            lo = hi
-        self._free_slots = free_slots
+        if self._share_freed(head, first, min((head + 1) * bpp, end)):
+            emptied.append(head)
+        if tail > head + 1:
+            # every block of the pages in between was allocated (the count): each page was
+            # full (bucket 0, empty stack) and is empty now
+            inner = range(head + 1, tail)
+            self._bucket_of[head + 1 : tail] = [_NOT_HELD] * len(inner)
+            self._free_slots -= len(inner) * bpp
+            emptied += inner
+        if tail > head and self._share_freed(tail, tail * bpp, end):
+            emptied.append(tail)
         if emptied:
             self._pages.release(emptied, fence)
         return True
+
+    def _share_freed(self, page: int, lo: int, hi: int) -> bool:
+        """Blocks ``lo .. hi-1`` of ``page`` were just freed (state written, counted in
+        ``_free_slots``): push them on its free stack and rebucket it, or, when no block is
+        left on it, stop holding it, take its blocks off ``_free_slots`` and return
+        ``True`` (the caller releases it). Caller holds ``_lock``."""
+        now = len(self._stacks[page]) + hi - lo
+        if self._rebucket(page, now):
+            self._free_slots -= now
+            return True
+        self._stacks[page] += range(lo, hi)
+        return False
 
     def _free_each(self, block_ids: Sequence[int], fence: int | None) -> None:
         """``free`` id by id (few ids, or one not freeable: raises naming it, after undoing

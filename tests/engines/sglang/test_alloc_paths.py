@@ -1,0 +1,86 @@
+"""The elastic paged allocator's hot-path helpers against SGLang's own (the kvcore fork only).
+
+``alloc_extend`` / ``alloc_decode`` count a batch's new pages themselves (Python ints from the
+CPU lengths for small batches, SGLang's ``get_num_new_pages`` above that): the count must be
+SGLang's exactly, on both paths. On a GPU the ledger's fresh ids reach SGLang's index kernel
+as a view of a device id table when they form one run (no host-to-device copy): the tokens
+laid out must be the ledger's blocks, exactly as on the copying path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sglang.srt.utils import get_num_new_pages
+
+from .harness import requires_cpu_paged_kernels, requires_fork
+from .test_conformance import extend
+
+pytestmark = requires_fork
+
+LIMIT = 128  # kvcore.adapters.sglang.allocators._COUNT_IN_PYTHON, checked below
+
+# (prefix_len, seq_len) pairs with prefix <= seq, in batches either side of the limit
+BATCHES = st.lists(
+    st.tuples(st.integers(0, 5000), st.integers(0, 700)).map(lambda t: (t[0], t[0] + t[1])),
+    min_size=1,
+    max_size=2 * LIMIT,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(batch=BATCHES, page_size=st.sampled_from([1, 16, 64, 100]))
+def test_new_page_counts_are_sglangs(batch: list[tuple[int, int]], page_size: int) -> None:
+    from kvcore.adapters.sglang import allocators
+
+    assert allocators._COUNT_IN_PYTHON == LIMIT
+    prefix = torch.tensor([p for p, _ in batch], dtype=torch.int64)
+    seq = torch.tensor([s for _, s in batch], dtype=torch.int64)
+    want = get_num_new_pages(seq_lens=seq, page_size=page_size, prefix_lens=prefix)
+    assert allocators._extend_new_pages(prefix, seq, page_size) == want
+    seq = seq + 1  # decode lengths are >= 1
+    want = get_num_new_pages(seq_lens=seq, page_size=page_size, decode=True)
+    assert allocators._decode_new_pages(seq, page_size) == want
+
+
+@requires_cpu_paged_kernels
+def test_gpu_extend_reads_a_run_of_fresh_blocks_from_the_id_table(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device branch of ``_kernel_pages``, taken on a CPU allocator (the branch has no
+    device-specific code; only a GPU takes it in serving): a run of fresh blocks reaches the
+    index kernel as a view of ``_block_ids``, scattered blocks as a copy, and either way the
+    tokens land on exactly the blocks the ledger allocated."""
+    from sglang.srt.mem_cache.allocator import paged
+
+    seen: list[torch.Tensor] = []
+    naive = paged.alloc_extend_naive
+
+    def recorder(prefix: Any, seq: Any, last: Any, pages: Any, *rest: Any) -> None:
+        seen.append(pages)
+        naive(prefix, seq, last, pages, *rest)
+
+    monkeypatch.setattr(paged, "alloc_extend_naive", recorder)
+    e = make("on", size=2048, page_size=16)
+    a, ledger = e.allocator, e.manager.ledger
+    a._on_cpu = False  # the device branch
+    table = a._block_ids.untyped_storage().data_ptr()
+
+    out = extend(a, [0, 0], [300, 200], [-1, -1])  # 19 + 13 fresh blocks: one run
+    pages = set((out // 16).tolist())
+    assert len(pages) == 32 and seen[-1].untyped_storage().data_ptr() == table
+    assert all(ledger.is_allocated(p) for p in pages) and ledger.used() == 33  # + block 0
+    assert len(set(out.tolist())) == out.numel()
+
+    keep = sorted(pages)[::2]  # free every other block: what is left free is scattered
+    a.free(torch.tensor([t for t in out.tolist() if t // 16 not in keep]))
+    out2 = extend(a, [0], [16 * 10], [-1])
+    pages2 = set((out2 // 16).tolist())
+    assert len(pages2) == 10 and not pages2 & set(keep)
+    assert all(ledger.is_allocated(p) for p in pages2) and ledger.used() == 1 + 16 + 10
+    assert max(pages2) - min(pages2) > 9  # the holes left: not a run, so copied
+    assert seen[-1].untyped_storage().data_ptr() != table
