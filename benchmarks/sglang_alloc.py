@@ -196,6 +196,7 @@ def main() -> None:
                 f,
                 indent=2,
             )
+            f.write("\n")
 
 
 if __name__ == "__main__":
