@@ -17,6 +17,7 @@ The control runs the same stacks without the agreement group: the ranks diverge.
 
 from __future__ import annotations
 
+import queue
 import socket
 from types import SimpleNamespace
 from typing import Any
@@ -294,10 +295,16 @@ def _run(runs: list[tuple[str, str]], agree: bool) -> dict[tuple[str, str], list
     for p in procs:
         p.start()
     try:
-        results = dict(out.get(timeout=300) for _ in procs)
+        # generous: each rank imports SGLang, slow when other sessions load this host
+        results = dict(out.get(timeout=900) for _ in procs)
+    except queue.Empty:
+        codes = [p.exitcode for p in procs]
+        pytest.fail(f"a rank reported nothing within 900 s (exit codes {codes})")
     finally:
         for p in procs:
             p.join(60)
+            if p.is_alive():  # a rank stuck in a collective: do not leave it behind
+                p.kill()
     assert not any(isinstance(v, str) for v in results.values()), results
     assert [p.exitcode for p in procs] == [0, 0]
     return {run: [results[0][run], results[1][run]] for run in runs}
