@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 import torch
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 
-from kvcore.adapters.sglang.allocators import elastic_allocator
+from kvcore.adapters.sglang.allocators import _eviction_asks_allocator, elastic_allocator
 from kvcore.agreement import AgreedRoom, Agreement, RoomLedger
 from kvcore.errors import UnsupportedConfiguration
 
@@ -76,6 +76,15 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):  # type: igno
             )
         self.full_attn_allocator = elastic_allocator(self.full_attn_allocator)
         self.swa_attn_allocator = elastic_allocator(self.swa_attn_allocator)
+        if self.full_attn_allocator.max_cached_tokens is not None and not (
+            _eviction_asks_allocator()
+        ):
+            raise UnsupportedConfiguration(
+                "--kvcore-config max_cached_tokens with the hybrid SWA allocator needs SGLang "
+                ">= 0.5.23: older SGLang builds an SWARadixCache whose evictable size is a "
+                "(full, SWA) pair, which the cache bound does not handle",
+                hint="drop max_cached_tokens from --kvcore-config on this SGLang version",
+            )
         self.clear()
 
     # -- all-or-nothing composite allocation ---------------------------------------------
