@@ -9,7 +9,11 @@ kvcore fork of SGLang installed (``nox -s test-sglang-0.5.23`` builds such a ven
 ``.nox/``)::
 
     PYTHONPATH=tests/engines/sglang/shim .nox/test-sglang-0-5-23/bin/python \\
-        benchmarks/sglang_alloc.py [--repeats 31] [--iters 100] [--json F]
+        benchmarks/sglang_alloc.py [--repeats 31] [--iters 100] [--json F] [--device cuda]
+
+``--device cuda`` (the GPU machine, through ``benchmarks/sglang_gpu.sh``) runs the same
+cycles on a CUDA pool: SGLang's Triton index kernels on both sides, kvcore on its ``cuda``
+backend; each timed run ends with a device synchronize, so a side's queued GPU work counts.
 
 Workloads, each one cycle per iteration:
 
@@ -68,7 +72,14 @@ KVCORE = {
 }
 
 
+DEVICE = "cpu"
+"""Where the pools live (``--device``)."""
+
+
 def _stack(elastic: bool, page_size: int) -> Engine:
+    kvcore = (
+        KVCORE if DEVICE == "cpu" else {k: v for k, v in KVCORE.items() if k != "backend_options"}
+    )
     return build(
         "on" if elastic else "off",
         size=SIZE,
@@ -76,14 +87,21 @@ def _stack(elastic: bool, page_size: int) -> Engine:
         layers=LAYERS,
         heads=HEADS,
         head_dim=HEAD_DIM,
-        **KVCORE,
+        device=DEVICE,
+        **kvcore,
     )
+
+
+def _on_device(t: torch.Tensor) -> torch.Tensor:
+    """SGLang takes lengths and last locations on the pool's device and lengths on the host."""
+    return t if DEVICE == "cpu" else t.to(DEVICE)
 
 
 def _extend(a: Any, n: int, new: int) -> None:
     z = torch.zeros(n, dtype=torch.int64)
     s = torch.full((n,), new, dtype=torch.int64)
-    out = a.alloc_extend(z, z, s, s, torch.full((n,), -1, dtype=torch.int64), n * new)
+    last = _on_device(torch.full((n,), -1, dtype=torch.int64))
+    out = a.alloc_extend(_on_device(z), z, _on_device(s), s, last, n * new)
     a.free(out)
 
 
@@ -99,12 +117,13 @@ def _decode_cycle(a: Any) -> None:
     n = 32
     z = torch.zeros(n, dtype=torch.int64)
     seq = torch.full((n,), 8, dtype=torch.int64)
-    first = a.alloc_extend(z, z, seq, seq, torch.full((n,), -1, dtype=torch.int64), n * 8)
+    minus = _on_device(torch.full((n,), -1, dtype=torch.int64))
+    first = a.alloc_extend(_on_device(z), z, _on_device(seq), seq, minus, n * 8)
     rows = [first]
     last = first.view(n, 8)[:, -1].clone()
     for _ in range(PAGE):
         seq = seq + 1
-        out = a.alloc_decode(seq, seq, last)
+        out = a.alloc_decode(_on_device(seq), seq, last)
         rows.append(out)
         last = out
     a.free(torch.cat(rows))
@@ -127,6 +146,8 @@ def _time(a: Any, cycle: Callable[[Any], None], iters: int) -> tuple[float, floa
     wall, cpu = time.perf_counter(), time.thread_time()
     for _ in range(iters):
         cycle(a)
+    if DEVICE != "cpu":
+        torch.cuda.synchronize()
     return (time.perf_counter() - wall) / iters, (time.thread_time() - cpu) / iters
 
 
@@ -161,7 +182,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=31)
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
 
     import sglang
 
@@ -169,7 +193,7 @@ def main() -> None:
     rows = [measure(name, ps, cycle, args) for name, (ps, cycle) in WORKLOADS.items()]
 
     table = Table(
-        title=f"SGLang {sglang.__version__} allocator, elastic vs upstream: medians of "
+        title=f"SGLang {sglang.__version__} allocator on {DEVICE}, elastic vs upstream: medians of "
         f"{args.repeats} x {args.iters} cycles, wall | thread CPU"
     )
     for col in ("workload", "upstream us", "elastic us", "elastic / upstream"):
@@ -187,6 +211,7 @@ def main() -> None:
             json.dump(
                 {
                     "sglang": sglang.__version__,
+                    "device": DEVICE,
                     "commit": commit("kvcore", "benchmarks/sglang_alloc.py"),
                     "date": now(),
                     "repeats": args.repeats,
