@@ -22,7 +22,7 @@ in and from where.
     python benchmarks/device_bundle.py --venv .nox/test-sglang-0-5-23 \
         --tests tests/engines/sglang --engine sglang --python 3.12 --out .sgdev \
         --import sglang.srt.mem_cache.rust_tree_core.adapter \
-        sglang.srt.mem_cache.rust_tree_core.mem_cache \
+        sglang.srt.mem_cache.rust_tree_core.mem_cache rich._emoji_codes \
         --data sglang/kernels/jit/include sglang/kernels/jit/csrc \
         --pythonpath tests/engines/sglang/shim
 

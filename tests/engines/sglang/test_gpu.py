@@ -23,6 +23,10 @@ from typing import Any
 import pytest
 import torch
 
+pytest.importorskip(
+    "sglang", reason="SGLang is not installed here (benchmarks/sglang_gpu.sh carries it)"
+)
+
 from .harness import Engine, requires_fork
 
 pytestmark = [pytest.mark.gpu, requires_fork]
