@@ -259,9 +259,19 @@ class RoomLedger:
         self._ledger.free(block_ids, fence)
         self.room.freed(len(block_ids), self.index)
 
+    def alloc_runs(self, n: int) -> list[tuple[int, int]] | None:
+        """``BlockLedger.alloc_runs`` on this rank only (the owner agrees the decision)."""
+        return self._ledger.alloc_runs(n)
+
     def free_range(self, first: int, count: int, fence: int | None = None) -> None:
-        """Free the ``count`` consecutive ids from ``first`` (as ``free``)."""
-        self.free(range(first, first + count), fence)
+        """``BlockLedger.free_range``, counted toward the agreed room like ``free``."""
+        self._ledger.free_range(first, count, fence)
+        self.room.freed(count, self.index)
+
+    def free_runs(self, runs: Sequence[tuple[int, int]], fence: int | None = None) -> None:
+        """``BlockLedger.free_runs``, counted toward the agreed room like ``free``."""
+        self._ledger.free_runs(runs, fence)
+        self.room.freed(sum(count for _, count in runs), self.index)
 
     def available(self) -> int:
         """Blocks every rank can allocate (``AgreedRoom.available``); no collective."""
@@ -307,6 +317,12 @@ class AgreedLedger(RoomLedger):
         if n <= 0:
             return self._ledger.alloc(n)
         return self.room.decide(lambda: self._ledger.alloc(n), self._ledger.free)
+
+    def alloc_runs(self, n: int) -> list[tuple[int, int]] | None:
+        """``BlockLedger.alloc_runs`` agreed by every rank, as ``alloc`` (a collective)."""
+        if n <= 0:
+            return self._ledger.alloc_runs(n)
+        return self.room.decide(lambda: self._ledger.alloc_runs(n), self._ledger.free_runs)
 
     def step(self) -> bool:
         """``Agreement.step`` of this rank (call once per scheduler iteration)."""

@@ -23,8 +23,11 @@ taken whole (and a run of consecutive fresh pages) with list and ``bytearray`` s
 operations; ``free`` of many ids sorts them and checks and writes each page's share at once
 (a contiguous share with one ``bytearray.count`` and one slice write; a page it empties
 with one slice write and no stack work); distinct ids forming one run (and ``free_range``,
-for a caller that holds them as a run) are checked with one count for all. ``alloc`` makes
-no page-allocator call while the partly used pages suffice. ``benchmarks/ledger_alloc.py``
+for a caller that holds them as a run) are checked with one count for all. ``alloc_runs`` and
+``free_runs`` are the same calls with ids as ``(first, count)`` runs, for a caller that keeps
+them as ranges (SGLang's adapter: a run is a slice of a table of every id): no per-id int of
+a fresh page is made. ``alloc`` makes no page-allocator call while the partly used pages
+suffice. ``benchmarks/ledger_alloc.py``
 measures it, and ``benchmarks/sglang_alloc.py`` in an engine's allocator.
 """
 
@@ -152,21 +155,25 @@ class BlockLedger:
                 return []
             raise ValueError(f"block ledger: cannot allocate {n} blocks")
         with self._lock:
-            free_slots = self._free_slots
-            out: list[int] = []
-            if n <= free_slots:  # the partly used pages suffice: no page-allocator call
-                self._take_partly_used(out, n)
-                self._free_slots = free_slots - n
-            else:
-                fresh = self._acquire_pages(n - free_slots)
-                if fresh is None:
-                    return None
-                if free_slots:  # every partly used page, taken whole
-                    self._take_partly_used(out, free_slots)
-                self._free_slots = 0
-                self._take_fresh(out, n - free_slots, fresh)
-            self._used += n
-            return out
+            return self._alloc(n, None)
+
+    def alloc_runs(self, n: int) -> list[tuple[int, int]] | None:
+        """``alloc(n)`` as runs: ``(first, count)`` pairs, ascending and not adjacent, each
+        naming the ids ``first .. first+count-1``; together the ``n`` ids ``alloc`` would
+        have handed out (same placement, same all-or-nothing, ``None`` and ``PoolFailed``
+        alike). For a caller that turns ids into a tensor (a run is a slice of a table of
+        every block id) and gives them back as runs (``free_runs``, ``free_range``): fresh
+        pages are handed over as ranges, never as per-id ints."""
+        if n <= 0:
+            if n == 0:
+                return []
+            raise ValueError(f"block ledger: cannot allocate {n} blocks")
+        with self._lock:
+            runs: list[tuple[int, int]] = []
+            ids = self._alloc(n, runs)
+            if ids is None:
+                return None
+            return _as_runs(ids, runs)
 
     def free(self, block_ids: Sequence[int], fence: int | None = None) -> None:
         """Free allocated block ids. A page whose blocks are now all free goes back to the
@@ -196,6 +203,21 @@ class BlockLedger:
                 or not self._free_run(first, count, fence)
             ):
                 self._free_each(range(first, first + count), fence)
+
+    def free_runs(self, runs: Sequence[tuple[int, int]], fence: int | None = None) -> None:
+        """``free`` of the ids of ``runs`` (``(first, count)`` pairs, as ``alloc_runs``
+        returns them), all at once: one count checks each run and slice writes free it.
+        Raises ``InvalidTransition`` naming the first id that is not freeable (runs that
+        overlap name an id twice), with nothing changed, like ``free``; ``ValueError`` for
+        a negative count."""
+        if len(runs) == 1:
+            self.free_range(*runs[0], fence=fence)
+            return
+        if any(count < 0 for _, count in runs):
+            raise ValueError(f"block ledger: cannot free runs {list(runs)}")
+        with self._lock:
+            if not self._free_runs(runs, fence):
+                self._free_each([b for a, k in runs for b in range(a, a + k)], fence)
 
     def available(self) -> int:
         """Blocks ``alloc`` could hand out now: free blocks on held pages plus the blocks of
@@ -260,6 +282,26 @@ class BlockLedger:
 
     # ------------------------------------------------------------------ helpers
 
+    def _alloc(self, n: int, runs: list[tuple[int, int]] | None) -> list[int] | None:
+        """``alloc(n)`` (``n > 0``) under ``_lock``: the ids taken from partly used pages,
+        then, when ``runs`` is ``None``, those of fresh pages; else the fresh pages' ids go
+        to ``runs`` as ``(first, count)`` ranges. ``None`` on a physical miss."""
+        free_slots = self._free_slots
+        out: list[int] = []
+        if n <= free_slots:  # the partly used pages suffice: no page-allocator call
+            self._take_partly_used(out, n)
+            self._free_slots = free_slots - n
+        else:
+            fresh = self._acquire_pages(n - free_slots)
+            if fresh is None:
+                return None
+            if free_slots:  # every partly used page, taken whole
+                self._take_partly_used(out, free_slots)
+            self._free_slots = 0
+            self._take_fresh(out, n - free_slots, fresh, runs)
+        self._used += n
+        return out
+
     def _acquire_pages(self, blocks: int) -> list[int] | None:
         """Fresh pages covering ``blocks`` more blocks (the last page of the geometry may
         hold fewer than ``blocks_per_page``) in ascending order, or ``None`` with nothing
@@ -320,11 +362,14 @@ class BlockLedger:
                 n = 0
         return n
 
-    def _take_fresh(self, out: list[int], n: int, fresh: list[int]) -> None:
-        """Append ``n`` blocks of the ``fresh`` pages (in their order) to ``out`` and give
-        back the pages it did not need (a short last page over-covered). A run of
-        consecutive pages taken whole costs one range and one slice write; a page taken in
-        part keeps its upper blocks on its free stack. Caller holds ``_lock``."""
+    def _take_fresh(
+        self, out: list[int], n: int, fresh: list[int], runs: list[tuple[int, int]] | None
+    ) -> None:
+        """Append ``n`` blocks of the ``fresh`` pages (in their order) to ``out`` (to
+        ``runs`` as ``(first, count)`` ranges when given) and give back the pages it did
+        not need (a short last page over-covered). A run of consecutive pages taken whole
+        costs one range and one slice write; a page taken in part keeps its upper blocks on
+        its free stack. Caller holds ``_lock``."""
         state = self._state
         capacity = self._capacity
         bucket_of = self._bucket_of
@@ -337,7 +382,10 @@ class BlockLedger:
             cap = capacity[p]
             i += 1
             if n < cap:  # only part of page p: its lowest blocks now, the others on its stack
-                out += range(start, start + n)
+                if runs is None:
+                    out += range(start, start + n)
+                else:
+                    runs.append((start, n))
                 state[start : start + n] = _ALLOCATED_BYTE * n
                 self._stacks[p] = list(range(start + cap - 1, start + n - 1, -1))
                 self._free_slots += cap - n
@@ -355,7 +403,10 @@ class BlockLedger:
                 end += cap
                 n -= cap
                 i += 1
-            out += range(start, end)
+            if runs is None:
+                out += range(start, end)
+            else:
+                runs.append((start, end - start))
             state[start:end] = _ALLOCATED_BYTE * (end - start)
         if i < count:
             self._pages.release(fresh[i:])
@@ -420,20 +471,49 @@ class BlockLedger:
 
     def _free_run(self, first: int, n: int, fence: int | None) -> bool:
         """``_free_by_page`` for the distinct ids ``first .. first+n-1`` (a request's blocks,
-        SGLang's sorted page ids): one count checks them all, one slice write frees them,
-        and the pages between the run's first and last, which it covers whole, are emptied
-        with slice operations (no stack or bucket work). ``False`` with nothing changed when
-        one is not allocated. Caller holds ``_lock``."""
+        SGLang's sorted page ids): one count checks them all, then ``_clear_run``. ``False``
+        with nothing changed when one is not allocated. Caller holds ``_lock``."""
+        if self._state.count(_ALLOCATED, first, first + n) != n:
+            return False
+        emptied: list[int] = []
+        self._clear_run(first, n, emptied)
+        if emptied:
+            self._pages.release(emptied, fence)
+        return True
+
+    def _free_runs(self, runs: Sequence[tuple[int, int]], fence: int | None) -> bool:
+        """``free_runs`` when every run is in range, allocated and disjoint from the others
+        (one count per run, checked before anything is written; then ``_clear_run`` each
+        and one release of the pages they emptied); else ``False`` with nothing changed.
+        Caller holds ``_lock``."""
+        ordered = sorted(run for run in runs if run[1])
+        end = 0
+        state = self._state
+        for first, count in ordered:
+            if first < end or state.count(_ALLOCATED, first, first + count) != count:
+                return False  # overlapping (or below 0), or an id not allocated
+            end = first + count
+        if end > self._num_blocks:
+            return False
+        emptied: list[int] = []
+        for first, count in ordered:
+            self._clear_run(first, count, emptied)
+        if emptied:
+            self._pages.release(emptied, fence)
+        return True
+
+    def _clear_run(self, first: int, n: int, emptied: list[int]) -> None:
+        """Free the allocated ids ``first .. first+n-1`` (checked by the caller): one slice
+        write, and the pages between the run's first and last, which it covers whole, are
+        emptied with slice operations (no stack or bucket work); every page it empties is
+        appended to ``emptied`` for the caller to release. Caller holds ``_lock``."""
         state = self._state
         end = first + n
-        if state.count(_ALLOCATED, first, end) != n:
-            return False
         state[first:end] = bytes(n)
         self._used -= n
         self._free_slots += n
         bpp = self._bpp
         head, tail = first // bpp, (end - 1) // bpp
-        emptied: list[int] = []
         if self._share_freed(head, first, min((head + 1) * bpp, end)):
             emptied.append(head)
         if tail > head + 1:
@@ -445,9 +525,6 @@ class BlockLedger:
             emptied += inner
         if tail > head and self._share_freed(tail, tail * bpp, end):
             emptied.append(tail)
-        if emptied:
-            self._pages.release(emptied, fence)
-        return True
 
     def _share_freed(self, page: int, lo: int, hi: int) -> bool:
         """Blocks ``lo .. hi-1`` of ``page`` were just freed (state written, counted in
@@ -541,3 +618,33 @@ class BlockLedger:
         if self._state[block] == _RESERVED:
             return "it is reserved for good"
         return "not allocated (a double free, or named twice in one call)"
+
+
+def _as_runs(ids: list[int], runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The distinct ``ids`` and the disjoint ``runs`` together as ``(first, count)`` runs,
+    ascending, adjacent ones merged. Ids forming one range (a partly used page taken whole,
+    freed as a run) cost one ``min`` and one ``max``; others are sorted and split."""
+    if ids:
+        lo = min(ids)
+        if max(ids) - lo == len(ids) - 1:  # distinct ids spanning as many values: a range
+            runs.append((lo, len(ids)))
+        else:
+            ids.sort()
+            start = prev = ids[0]
+            for b in ids[1:]:
+                if b != prev + 1:
+                    runs.append((start, prev + 1 - start))
+                    start = b
+                prev = b
+            runs.append((start, prev + 1 - start))
+    if len(runs) < 2:
+        return runs
+    runs.sort()
+    merged = [runs[0]]
+    for first, count in runs[1:]:
+        last, k = merged[-1]
+        if last + k == first:
+            merged[-1] = (last, k + count)
+        else:
+            merged.append((first, count))
+    return merged

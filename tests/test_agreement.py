@@ -84,6 +84,24 @@ def test_a_peer_miss_rolls_back_and_misses_here_too(ledger: BlockLedger) -> None
     assert len(peer.calls) == 4  # wrap, alloc, alloc, room after the miss
 
 
+def test_runs_are_agreed_and_rolled_back_and_their_frees_counted(ledger: BlockLedger) -> None:
+    """``alloc_runs``/``free_runs`` through the agreement: one decision per allocation, a
+    peer's miss rolls the runs back here, and freed runs count toward the agreed room."""
+    peer = ScriptedPeer()
+    agreed = AgreedLedger(ledger, peer)
+    runs = agreed.alloc_runs(2 * BPP)  # peer agrees
+    assert runs is not None and sum(k for _, k in runs) == 2 * BPP
+    used, pages = ledger.used(), _in_use(ledger)
+    peer.script = [[0, 9], [5]]  # the peer missed; then 5 blocks of room left there
+    calls = len(peer.calls)
+    assert agreed.alloc_runs(BPP) is None
+    assert ledger.used() == used and _in_use(ledger) == pages  # rolled back, page returned
+    assert len(peer.calls) == calls + 2 and agreed.available() == 5
+    agreed.free_runs(runs)
+    assert agreed.available() == 5 + 2 * BPP and ledger.used() == used - 2 * BPP
+    assert agreed.alloc_runs(0) == [] and len(peer.calls) == calls + 2  # n == 0: local
+
+
 def test_available_is_the_agreed_room_plus_frees_without_a_collective(
     ledger: BlockLedger,
 ) -> None:

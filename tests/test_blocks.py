@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from itertools import pairwise
 
 import pytest
 import torch
@@ -311,6 +312,72 @@ def test_the_ledger_refuses_an_allocator_smaller_than_its_geometry(backend: str)
         big.close()
 
 
+def expand(runs: list[tuple[int, int]]) -> list[int]:
+    return [b for first, count in runs for b in range(first, first + count)]
+
+
+def runs_of(ids: list[int]) -> list[tuple[int, int]]:
+    """Distinct ``ids`` as ascending ``(first, count)`` runs."""
+    runs: list[tuple[int, int]] = []
+    for b in sorted(ids):
+        if runs and sum(runs[-1]) == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
+def test_alloc_runs_hands_out_the_blocks_alloc_would(backend: str) -> None:
+    """Twin ledgers driven alike: ``alloc_runs`` names the same blocks as ``alloc`` (fresh
+    pages as whole runs, partly used pages' free blocks merged into runs), ascending and
+    not adjacent; ``free_runs`` in any order frees what ``free`` does."""
+    stacks = [build_stack(backend, num_blocks=32, blocks_per_page=BPP) for _ in range(2)]
+    try:
+        plain, by_runs = (s.ledger(reserved_blocks=(0,)) for s in stacks)
+        for n, victims in [(13, [3, 4, 9, 12]), (6, [1, 2, 5, 6, 7, 8]), (9, []), (5, [])]:
+            ids = plain.alloc(n)
+            runs = by_runs.alloc_runs(n)
+            assert ids is not None and runs is not None
+            assert sorted(ids) == expand(runs) and len(ids) == n
+            assert all(a + k < b for (a, k), (b, _) in pairwise(runs))
+            plain.free(victims)
+            by_runs.free_runs(runs_of(victims)[::-1])
+            assert [plain.is_allocated(b) for b in range(32)] == [
+                by_runs.is_allocated(b) for b in range(32)
+            ]
+            assert stacks[0].pages.stats().in_use == stacks[1].pages.stats().in_use
+        assert by_runs.alloc_runs(0) == [] and by_runs.alloc_runs(32) is None  # a miss
+        assert by_runs.used() == plain.used()
+        with pytest.raises(ValueError):
+            by_runs.alloc_runs(-1)
+    finally:
+        for s in stacks:
+            s.close()
+
+
+def test_free_runs_is_all_or_nothing_and_names_the_id(stack: MemStack) -> None:
+    ledger = stack.ledger(reserved_blocks=(0,))
+    assert ledger.alloc_runs(15) == [(1, 15)]  # the rest of page 0 and three fresh pages
+    ledger.free_runs([(6, 1)])
+    cases = [
+        ([(1, 3), (5, 3)], "block 6: not allocated"),  # a freed id inside a run
+        ([(1, 3), (2, 2)], "block 2: not allocated .*named twice"),  # overlapping runs
+        ([(8, 2), (0, 2)], "block 0: it is reserved"),
+        ([(12, 2), (15, 2)], "block 16: not allocated"),
+        ([(1, 2), (32, 2)], "block 32: out of range"),
+        ([(-1, 2), (3, 1)], "block -1: out of range"),
+    ]
+    for runs, message in cases:
+        with pytest.raises(InvalidTransition, match=message):
+            ledger.free_runs(runs)
+        assert ledger.used() == 15
+        assert [b for b in range(16) if ledger.is_allocated(b)] == [b for b in range(16) if b != 6]
+    with pytest.raises(ValueError):
+        ledger.free_runs([(1, 2), (4, -1)])
+    ledger.free_runs([(11, 5), (1, 5), (7, 0), (7, 4)])  # pages 1..3 empty: given back
+    assert ledger.used() == 1 and stack.pages.stats().in_use == 1
+
+
 # -- invariants 1 and 4 under a randomized engine-like workload ----------------------------
 
 OPS = st.lists(
@@ -421,7 +488,9 @@ def test_blocks_in_use_stay_mapped_and_keep_their_data(
 
 BIG_OPS = st.lists(
     st.tuples(
-        st.sampled_from(["alloc", "free", "free-sorted", "free-bad", "free-range"]),
+        st.sampled_from(
+            ["alloc", "alloc-runs", "free", "free-sorted", "free-bad", "free-range", "free-runs"]
+        ),
         st.integers(min_value=1, max_value=30),
         st.randoms(use_true_random=False),
     ),
@@ -434,11 +503,12 @@ BIG_OPS = st.lists(
 def test_large_alloc_and_free_keep_placement_checks_and_pages_exact(
     ops: list[tuple[str, int, random.Random]], bpp: int, short: bool
 ) -> None:
-    """Against a model (the set of allocated ids): alloc(n) of many ids fills partly used
-    pages before fresh ones, fullest first; free of many ids (shuffled, sorted, contiguous or
-    not) empties exactly the pages left without an allocated block; a bad id anywhere in a
-    large free (double, never allocated, reserved, out of range, named twice) raises naming
-    it with nothing changed. Reserved block 0 and a short last page are in play."""
+    """Against a model (the set of allocated ids): alloc(n) of many ids (as a list, or as
+    ascending, non-adjacent runs) fills partly used pages before fresh ones, fullest first;
+    free of many ids (shuffled, sorted, contiguous or not, as runs in any order) empties
+    exactly the pages left without an allocated block; a bad id anywhere in a large free
+    (double, never allocated, reserved, out of range, named twice; as ids or as runs) raises
+    naming it with nothing changed. Reserved block 0 and a short last page are in play."""
     num_blocks = 12 * bpp - (bpp // 2 if short else 0)
     stack = build_stack("host", num_blocks=num_blocks, blocks_per_page=bpp)
     try:
@@ -451,9 +521,16 @@ def test_large_alloc_and_free_keep_placement_checks_and_pages_exact(
 
         for op, n, rnd in ops:
             held = {p for p in range(geometry.num_pages) if live_on(p)}
-            if op == "alloc":
+            if op in ("alloc", "alloc-runs"):
                 free_slots = {p: len(geometry.blocks_of(p)) - live_on(p) for p in held}
-                got = ledger.alloc(n)
+                if op == "alloc":
+                    got = ledger.alloc(n)
+                else:
+                    runs = ledger.alloc_runs(n)
+                    got = None if runs is None else expand(runs)
+                    if runs is not None:
+                        assert all(k > 0 for _, k in runs)
+                        assert all(a + k < b for (a, k), (b, _) in pairwise(runs))
                 if got is None:
                     assert n > num_blocks - 1 - len(allocated)
                     continue
@@ -479,6 +556,12 @@ def test_large_alloc_and_free_keep_placement_checks_and_pages_exact(
                     count += 1
                 ledger.free_range(first, count)
                 allocated -= set(range(first, first + count))
+            elif op == "free-runs":
+                victims = rnd.sample(sorted(allocated), min(n, len(allocated)))
+                runs = runs_of(victims)
+                rnd.shuffle(runs)
+                ledger.free_runs(runs)
+                allocated -= set(victims)
             elif op in ("free", "free-sorted"):
                 victims = rnd.sample(sorted(allocated), min(n, len(allocated)))
                 if op == "free-sorted":
@@ -498,7 +581,10 @@ def test_large_alloc_and_free_keep_placement_checks_and_pages_exact(
                 else:
                     shown = "reserved" if bad == 0 else "range" if bad in (-1, num_blocks) else ""
                 with pytest.raises(InvalidTransition, match=f"block {bad}: .*{shown}") as err:
-                    ledger.free(ids)
+                    if rnd.random() < 0.5:
+                        ledger.free(ids)
+                    else:  # as runs of one id (a repeated id: overlapping runs)
+                        ledger.free_runs([(b, 1) for b in ids])
                 assert err.value.ids == (bad,)
             assert ledger.used() == len(allocated) + 1
             assert all(ledger.is_allocated(b) for b in allocated)

@@ -2,9 +2,11 @@
 
 ``alloc_extend`` / ``alloc_decode`` count a batch's new pages themselves (Python ints from the
 CPU lengths for small batches, SGLang's ``get_num_new_pages`` above that): the count must be
-SGLang's exactly, on both paths. On a GPU the ledger's fresh ids reach SGLang's index kernel
-as a view of a device id table when they form one run (no host-to-device copy): the tokens
-laid out must be the ledger's blocks, exactly as on the copying path.
+SGLang's exactly, on both paths. The ledger hands fresh blocks over as runs
+(``BlockLedger.alloc_runs``), which reach SGLang's index kernel as a view of the allocator's id
+table (one run; on a GPU no host-to-device copy), a concatenation of views (a few) or a copy
+(many): the tokens laid out must be the ledger's blocks on every path, and a failing kernel
+must give every run back.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from .test_conformance import extend
 
 pytestmark = requires_fork
 
-LIMIT = 128  # kvcore.adapters.sglang.allocators._COUNT_IN_PYTHON, checked below
+LIMIT = 40  # kvcore.adapters.sglang.allocators._COUNT_IN_PYTHON, checked below
 
 # (prefix_len, seq_len) pairs with prefix <= seq, in batches either side of the limit
 BATCHES = st.lists(
@@ -47,14 +49,26 @@ def test_new_page_counts_are_sglangs(batch: list[tuple[int, int]], page_size: in
     assert allocators._decode_new_pages(seq, page_size) == want
 
 
+def test_kernel_pages_are_views_of_the_id_table_or_copies(make: Any) -> None:
+    from kvcore.adapters.sglang import allocators
+
+    a = make("on", size=2048, page_size=16).allocator
+    table = a._block_ids.untyped_storage().data_ptr()
+    one = a._kernel_pages([(5, 4)])
+    assert one.tolist() == [5, 6, 7, 8] and one.untyped_storage().data_ptr() == table
+    assert a._kernel_pages([(3, 2), (10, 3)]).tolist() == [3, 4, 10, 11, 12]
+    many = [(2 * i + 1, 1) for i in range(allocators._RUNS_AS_VIEWS + 1)]
+    assert a._kernel_pages(many).tolist() == [b for b, _ in many]
+    assert a._kernel_pages([]).numel() == 0
+
+
 @requires_cpu_paged_kernels
-def test_gpu_extend_reads_a_run_of_fresh_blocks_from_the_id_table(
+def test_extend_lays_tokens_on_the_ledgers_runs_and_a_failure_gives_them_back(
     make: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The device branch of ``_kernel_pages``, taken on a CPU allocator (the branch has no
-    device-specific code; only a GPU takes it in serving): a run of fresh blocks reaches the
-    index kernel as a view of ``_block_ids``, scattered blocks as a copy, and either way the
-    tokens land on exactly the blocks the ledger allocated."""
+    """A run of fresh blocks reaches the index kernel as a view of ``_block_ids``, scattered
+    blocks (many runs) as a copy, and either way the tokens land on exactly the blocks the
+    ledger allocated; a kernel failing over several runs gives every block back."""
     from sglang.srt.mem_cache.allocator import paged
 
     seen: list[torch.Tensor] = []
@@ -67,7 +81,6 @@ def test_gpu_extend_reads_a_run_of_fresh_blocks_from_the_id_table(
     monkeypatch.setattr(paged, "alloc_extend_naive", recorder)
     e = make("on", size=2048, page_size=16)
     a, ledger = e.allocator, e.manager.ledger
-    a._on_cpu = False  # the device branch
     table = a._block_ids.untyped_storage().data_ptr()
 
     out = extend(a, [0, 0], [300, 200], [-1, -1])  # 19 + 13 fresh blocks: one run
@@ -84,3 +97,13 @@ def test_gpu_extend_reads_a_run_of_fresh_blocks_from_the_id_table(
     assert all(ledger.is_allocated(p) for p in pages2) and ledger.used() == 1 + 16 + 10
     assert max(pages2) - min(pages2) > 9  # the holes left: not a run, so copied
     assert seen[-1].untyped_storage().data_ptr() != table
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("injected: index kernel failed")
+
+    monkeypatch.setattr(paged, "alloc_extend_naive", broken)
+    used, in_use = ledger.used(), e.pages().in_use
+    with pytest.raises(RuntimeError, match="injected"):
+        extend(a, [0], [16 * 12], [-1])  # the 6 holes left and 6 fresh blocks: many runs
+    assert ledger.used() == used and e.pages().in_use == in_use
+    assert all(ledger.is_allocated(p) for p in pages2 | set(keep))
