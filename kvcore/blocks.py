@@ -366,10 +366,10 @@ class BlockLedger:
         self, out: list[int], n: int, fresh: list[int], runs: list[tuple[int, int]] | None
     ) -> None:
         """Append ``n`` blocks of the ``fresh`` pages (in their order) to ``out`` (to
-        ``runs`` as ``(first, count)`` ranges when given) and give back the pages it did
-        not need (a short last page over-covered). A run of consecutive pages taken whole
-        costs one range and one slice write; a page taken in part keeps its upper blocks on
-        its free stack. Caller holds ``_lock``."""
+        ``runs`` as ascending, non-adjacent ``(first, count)`` ranges when given) and give
+        back the pages it did not need (a short last page over-covered). A run of
+        consecutive pages taken whole costs one range and one slice write; a page taken in
+        part keeps its upper blocks on its free stack. Caller holds ``_lock``."""
         state = self._state
         capacity = self._capacity
         bucket_of = self._bucket_of
@@ -384,6 +384,8 @@ class BlockLedger:
             if n < cap:  # only part of page p: its lowest blocks now, the others on its stack
                 if runs is None:
                     out += range(start, start + n)
+                elif runs and sum(runs[-1]) == start:  # continues the run before it
+                    runs[-1] = (runs[-1][0], runs[-1][1] + n)
                 else:
                     runs.append((start, n))
                 state[start : start + n] = _ALLOCATED_BYTE * n
@@ -621,30 +623,36 @@ class BlockLedger:
 
 
 def _as_runs(ids: list[int], runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The distinct ``ids`` and the disjoint ``runs`` together as ``(first, count)`` runs,
-    ascending, adjacent ones merged. Ids forming one range (a partly used page taken whole,
-    freed as a run) cost one ``min`` and one ``max``; others are sorted and split."""
-    if ids:
-        lo = min(ids)
-        if max(ids) - lo == len(ids) - 1:  # distinct ids spanning as many values: a range
-            runs.append((lo, len(ids)))
-        else:
-            ids.sort()
-            start = prev = ids[0]
-            for b in ids[1:]:
-                if b != prev + 1:
-                    runs.append((start, prev + 1 - start))
-                    start = b
-                prev = b
-            runs.append((start, prev + 1 - start))
-    if len(runs) < 2:
+    """The distinct ``ids`` and the ascending, non-adjacent ``runs`` (``_take_fresh``'s)
+    together as ``(first, count)`` runs, ascending, adjacent ones merged. Ids forming one
+    range (a partly used page taken whole, its blocks freed as a run) cost one ``min`` and
+    one ``max``, and join the first run when they end where it starts (the common case: the
+    fresh pages follow that page); other ids are sorted and split."""
+    if not ids:
         return runs
+    lo = min(ids)
+    k = len(ids)
+    if max(ids) - lo == k - 1:  # distinct ids spanning as many values: one range
+        if not runs:
+            return [(lo, k)]
+        if lo + k == runs[0][0] and len(runs) == 1:
+            return [(lo, k + runs[0][1])]
+        runs.append((lo, k))
+    else:
+        ids.sort()
+        start = prev = ids[0]
+        for b in ids[1:]:
+            if b != prev + 1:
+                runs.append((start, prev + 1 - start))
+                start = b
+            prev = b
+        runs.append((start, prev + 1 - start))
     runs.sort()
     merged = [runs[0]]
     for first, count in runs[1:]:
-        last, k = merged[-1]
-        if last + k == first:
-            merged[-1] = (last, k + count)
+        last, n = merged[-1]
+        if last + n == first:
+            merged[-1] = (last, n + count)
         else:
             merged.append((first, count))
     return merged

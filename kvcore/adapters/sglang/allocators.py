@@ -239,7 +239,7 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
                 hint="give the allocator and the pool the same size and page size",
             )
         # every block id in order, on the device (the size of upstream's free_pages): a run
-        # of fresh ids is a view of it (``_kernel_pages``)
+        # of fresh ids is a view of it (``_fresh_pages``)
         self._block_ids = torch.arange(self.num_pages + 1, dtype=torch.int64, device=self.device)
         self.clear()
 
@@ -262,27 +262,33 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
     def merge_and_sort_free(self) -> None:
         return None
 
-    def _kernel_pages(self, runs: list[tuple[int, int]]) -> torch.Tensor:
-        """The ledger's fresh blocks (``BlockLedger.alloc_runs``) as the page tensor SGLang's
-        index kernels read (never written, never handed to SGLang's callers): one run is a
-        view of ``_block_ids`` (no per-id work; on a GPU no host-to-device copy, which would
-        wait for the device), a few runs the concatenation of such views, more (scattered
-        blocks of partly used pages) a tensor of their ids."""
+    def _fresh_pages(self, num_pages: int) -> torch.Tensor | None:
+        """``num_pages`` fresh ledger blocks as the page tensor SGLang's index kernels read
+        (never written, never handed to SGLang's callers), or ``None`` on a miss. On a GPU,
+        and on the CPU from ``_RUNS_FROM`` blocks, the ledger hands them over as runs
+        (``BlockLedger.alloc_runs``): one run is a view of ``_block_ids`` (no per-id work;
+        on a GPU no host-to-device copy, which would wait for the device), a few on a GPU
+        the concatenation of such views; fewer blocks on the CPU, or scattered ones, are
+        copied from a list of ids (cheaper there than finding runs)."""
+        if self._on_cpu and num_pages < _RUNS_FROM:
+            ids = self.ledger.alloc(num_pages)
+            return None if ids is None else self._as_tensor(ids)
+        runs = self.ledger.alloc_runs(num_pages)
+        if runs is None:
+            return None
         if len(runs) == 1:
             first, count = runs[0]
             return self._block_ids[first : first + count]
-        if not runs:
-            return self._empty
-        if len(runs) <= _RUNS_AS_VIEWS:
+        if not self._on_cpu and 1 < len(runs) <= _RUNS_AS_VIEWS:
             return torch.cat([self._block_ids[a : a + k] for a, k in runs])
         return self._as_tensor([b for a, k in runs for b in range(a, a + k)])
 
     def _take(self, num_pages: int) -> bool:
         """Stage ``num_pages`` fresh ledger blocks as ``free_pages`` for SGLang's kernel."""
-        runs = self.ledger.alloc_runs(num_pages)
-        if runs is None:
+        pages = self._fresh_pages(num_pages)
+        if pages is None:
             return False
-        self.free_pages = self._kernel_pages(runs)
+        self.free_pages = pages
         return True
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
@@ -306,10 +312,10 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
         if num_new_pages is None:
             num_new_pages = _extend_new_pages(prefix_lens_cpu, seq_lens_cpu, self.page_size)
         if _NAIVE_KERNELS:  # 0.5.23+: upstream's alloc_extend minus its free-list bookkeeping
-            runs = self.ledger.alloc_runs(num_new_pages)
-            if runs is None:
+            pages = self._fresh_pages(num_new_pages)
+            if pages is None:
                 return None
-            return self._extend_kernel(prefix_lens, seq_lens, last_loc, runs, extend_num_tokens)
+            return self._extend_kernel(prefix_lens, seq_lens, last_loc, pages, extend_num_tokens)
         if not self._take(num_new_pages):
             return None
         return self._run_upstream(
@@ -328,12 +334,11 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
         prefix_lens: torch.Tensor,
         seq_lens: torch.Tensor,
         last_loc: torch.Tensor,
-        runs: list[tuple[int, int]],
+        pages: torch.Tensor,
         extend_num_tokens: int,
     ) -> torch.Tensor:
         """SGLang's extend index kernel (Triton, or its torch fallback) over the ledger's
-        fresh blocks (``runs``); on an error they go back to the ledger."""
-        pages = self._kernel_pages(runs)
+        fresh blocks ``pages``; on an error they go back to the ledger."""
         out = torch.empty((extend_num_tokens,), dtype=torch.int64, device=self.device)
         try:
             if self.use_triton_kernels:
@@ -346,8 +351,7 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
                     prefix_lens, seq_lens, last_loc, pages, out, self.page_size, self.device
                 )
         except BaseException:
-            if runs:
-                self.ledger.free_runs(runs)
+            self._release_page_ids(pages)
             raise
         return out
 
@@ -393,8 +397,9 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
     def free(self, free_index: torch.Tensor) -> None:
         """Upstream's ``free``; its deduplicated page ids are strictly increasing
         (``torch.unique``), so when the last minus the first is their count minus one they
-        are one run and go to the ledger as a range (``BlockLedger.free_range``): only those
-        two ids leave the tensor (one strided view, one ``tolist``), no per-id int is made."""
+        are one run and go to the ledger as a range (``BlockLedger.free_range``). Of more
+        than ``_LISTED_IDS_MAX`` ids only those two leave the tensor (one strided view, one
+        ``tolist``): no per-id int is made for a run."""
         if free_index.numel() == 0:
             return
         if self.free_group is not None:
@@ -402,12 +407,11 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
             return
         pages = torch.unique(free_index // self.page_size)
         n = pages.numel()
-        ends = pages[:: max(n - 1, 1)].tolist()  # the first and the last id (one if n == 1)
-        first, last = ends[0], ends[-1]
-        if last - first == n - 1:
-            self.ledger.free_range(first, n)
+        ids = pages.tolist() if n <= _LISTED_IDS_MAX else pages[:: n - 1].tolist()
+        if ids[-1] - ids[0] == n - 1:
+            self.ledger.free_range(ids[0], n)
         else:
-            self.ledger.free(pages.tolist())
+            self.ledger.free(ids if len(ids) == n else pages.tolist())
         if self.debug_mode:
             self._debug_check_no_duplicate_pages()
 
@@ -418,9 +422,18 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
             self.ledger.free(ids.tolist())
 
 
-# ``_kernel_pages`` concatenates views of the id table for up to this many runs (a few tensor
-# calls each); more runs are expanded to ids and copied in one tensor
+# ``_fresh_pages`` on a GPU concatenates views of the id table for up to this many runs (a
+# few tensor calls each); more runs are expanded to ids and copied in one tensor
 _RUNS_AS_VIEWS = 8
+# ``_fresh_pages`` on the CPU takes this many blocks or more as runs, fewer as a list of ids:
+# measured in the allocator's cycles (``benchmarks/sglang_alloc.py``), runs cost more than
+# they save at 32 and 152 blocks (``alloc_runs`` merging a partly used page's ids into runs,
+# then expanding scattered ones) and save ~10 us at 512 (no list, no copy)
+_RUNS_FROM = 256
+# ``free`` lists up to this many page ids (``tolist``: 1.1 us at 152 ids on the 2-core CPU
+# host, 5.5 at 512) and reads only the first and the last of more (1.4 us whatever the count
+# in a warm loop, but it cost ~2% more than listing in 8 x 152-block extend cycles)
+_LISTED_IDS_MAX = 256
 
 # Batches of up to this many requests count their new pages in Python ints from the CPU
 # lengths (one ``tolist`` each); larger ones in numpy over the same tensors' memory (no copy;

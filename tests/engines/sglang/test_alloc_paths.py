@@ -49,26 +49,48 @@ def test_new_page_counts_are_sglangs(batch: list[tuple[int, int]], page_size: in
     assert allocators._decode_new_pages(seq, page_size) == want
 
 
-def test_kernel_pages_are_views_of_the_id_table_or_copies(make: Any) -> None:
+def test_fresh_pages_are_views_of_the_id_table_or_copies(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From ``_RUNS_FROM`` blocks on the CPU (any count on a GPU) the ledger's blocks come
+    as runs: one run is a view of the id table, a few on a GPU a concatenation of views,
+    many a copy; fewer blocks on the CPU a copy of the ledger's list. Always exactly the
+    blocks the ledger allocated."""
     from kvcore.adapters.sglang import allocators
 
-    a = make("on", size=2048, page_size=16).allocator
+    n = allocators._RUNS_FROM
+    a = make("on", size=(n + 64) * 16, page_size=16).allocator
+    ledger = a.ledger
     table = a._block_ids.untyped_storage().data_ptr()
-    one = a._kernel_pages([(5, 4)])
-    assert one.tolist() == [5, 6, 7, 8] and one.untyped_storage().data_ptr() == table
-    assert a._kernel_pages([(3, 2), (10, 3)]).tolist() == [3, 4, 10, 11, 12]
-    many = [(2 * i + 1, 1) for i in range(allocators._RUNS_AS_VIEWS + 1)]
-    assert a._kernel_pages(many).tolist() == [b for b, _ in many]
-    assert a._kernel_pages([]).numel() == 0
+    big = a._fresh_pages(n)  # the rest of page 0 and fresh pages: one run
+    assert big is not None and big.untyped_storage().data_ptr() == table
+    assert big.tolist() == list(range(1, n + 1)) and ledger.used() == n + 1
+    small = a._fresh_pages(3)
+    assert small is not None and small.untyped_storage().data_ptr() != table
+    assert len(set(small.tolist()) - set(big.tolist())) == 3 and ledger.used() == n + 4
+    assert all(ledger.is_allocated(b) for b in small.tolist())
+
+    a._on_cpu = False  # the device branch (no device-specific code in it)
+    # the ledger's runs given, to see how each shape is laid out (alloc_runs is tested in
+    # tests/test_blocks.py)
+    for runs, want in [
+        ([(3, 2), (10, 3)], [3, 4, 10, 11, 12]),
+        ([(2 * i + 1, 1) for i in range(9)], [2 * i + 1 for i in range(9)]),
+        ([], []),
+    ]:
+        monkeypatch.setattr(ledger, "alloc_runs", lambda k, runs=runs: runs)
+        got = a._fresh_pages(len(want))
+        assert got is not None and got.tolist() == want
 
 
 @requires_cpu_paged_kernels
 def test_extend_lays_tokens_on_the_ledgers_runs_and_a_failure_gives_them_back(
     make: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A run of fresh blocks reaches the index kernel as a view of ``_block_ids``, scattered
-    blocks (many runs) as a copy, and either way the tokens land on exactly the blocks the
-    ledger allocated; a kernel failing over several runs gives every block back."""
+    """On the runs path, a run of fresh blocks reaches the index kernel as a view of
+    ``_block_ids``, scattered blocks (many runs) as a copy, and either way the tokens land
+    on exactly the blocks the ledger allocated; a kernel failing over several runs gives
+    every block back."""
     from sglang.srt.mem_cache.allocator import paged
 
     seen: list[torch.Tensor] = []
@@ -81,6 +103,7 @@ def test_extend_lays_tokens_on_the_ledgers_runs_and_a_failure_gives_them_back(
     monkeypatch.setattr(paged, "alloc_extend_naive", recorder)
     e = make("on", size=2048, page_size=16)
     a, ledger = e.allocator, e.manager.ledger
+    a._on_cpu = False  # the device branch: runs at any count (no device-specific code in it)
     table = a._block_ids.untyped_storage().data_ptr()
 
     out = extend(a, [0, 0], [300, 200], [-1, -1])  # 19 + 13 fresh blocks: one run
