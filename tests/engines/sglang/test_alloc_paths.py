@@ -130,3 +130,30 @@ def test_extend_lays_tokens_on_the_ledgers_runs_and_a_failure_gives_them_back(
         extend(a, [0], [16 * 12], [-1])  # the 6 holes left and 6 fresh blocks: many runs
     assert ledger.used() == used and e.pages().in_use == in_use
     assert all(ledger.is_allocated(p) for p in pages2 | set(keep))
+
+
+@requires_cpu_paged_kernels
+def test_free_of_many_pages_as_a_run_or_not_frees_exactly_them(make: Any) -> None:
+    """Above ``_LISTED_IDS_MAX`` freed pages ``free`` reads only the first and last page id
+    to spot a run; a set that is not one is then listed and freed page by page."""
+    from kvcore.adapters.sglang import allocators
+
+    n = allocators._LISTED_IDS_MAX + 44
+    e = make("on", size=(2 * n + 64) * 16, page_size=16)
+    a, ledger = e.allocator, e.manager.ledger
+    out = extend(a, [0, 0], [16 * n, 16 * n], [-1, -1])
+    by_page: dict[int, list[int]] = {}
+    for t in out.tolist():
+        by_page.setdefault(t // 16, []).append(t)
+    pages = sorted(by_page)
+    assert len(pages) == 2 * n and ledger.used() == 2 * n + 1
+    hole = pages[len(pages) // 4]
+    first = [p for p in pages[: n + 1] if p != hole]  # n pages, not one run
+    a.free(torch.tensor([t for p in first for t in by_page[p]]))
+    assert ledger.used() == n + 1
+    assert all(ledger.is_allocated(p) == (p not in first) for p in pages)
+    a.free(torch.tensor(by_page[hole]))
+    rest = pages[n + 1 :]  # n - 1 pages: one run
+    assert rest == list(range(rest[0], rest[0] + n - 1))
+    a.free(torch.tensor([t for p in rest for t in by_page[p]]))
+    assert ledger.used() == 1 and e.pages().in_use == 1  # page 0: the reserved block
