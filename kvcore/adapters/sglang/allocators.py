@@ -179,6 +179,8 @@ class ElasticTokenToKVPoolAllocator(_ElasticMixin, TokenToKVPoolAllocator):  # t
         self.ledger = None  # type: ignore[assignment]  # clear() runs inside super().__init__
         super().__init__(size, dtype, device, kvcache, need_sort)
         self._bind(kvcache)
+        # on a GPU, fresh ids are copied on the device from views of this table (``alloc``)
+        self._block_ids = torch.arange(size + 1, dtype=torch.int64, device=self.device)
         self.clear()
 
     def clear(self) -> None:
@@ -199,10 +201,18 @@ class ElasticTokenToKVPoolAllocator(_ElasticMixin, TokenToKVPoolAllocator):  # t
         return None
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
-        ids = self.ledger.alloc(need_size)
-        if ids is None:
+        if self._on_cpu:
+            ids = self.ledger.alloc(need_size)
+            return None if ids is None else self._as_tensor(ids)
+        # On a GPU a host-to-device copy of the ids would wait for the device: the ledger
+        # hands them over as runs, copied on the device from views of the id table (a new
+        # tensor: SGLang's callers own what alloc returns).
+        runs = self.ledger.alloc_runs(need_size)
+        if runs is None:
             return None
-        return self._as_tensor(ids)
+        if len(runs) <= _RUNS_AS_VIEWS:
+            return torch.cat([self._block_ids[a : a + k] for a, k in runs])
+        return self._as_tensor([b for a, k in runs for b in range(a, a + k)])
 
     def free(self, free_index: torch.Tensor) -> None:
         if free_index.numel() == 0:

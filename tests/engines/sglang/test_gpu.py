@@ -188,3 +188,27 @@ def test_radix_eviction_on_the_gpu_returns_pages_to_the_driver(make: Any) -> Non
     assert tree.evict(EvictParams(num_tokens=4096)).num_tokens_evicted == 4096
     assert e.pages().in_use == 1
     assert _check_returned(e, cached, driver) == cached.mapped - 1
+
+
+def test_token_allocator_on_the_gpu_hands_out_device_ids_and_releases_pages(make: Any) -> None:
+    """``page_size == 1`` (SGLang's default): ``alloc`` returns ids built on the device from
+    the ledger's runs (no host copy); freeing a request unmaps the pages it owned alone and
+    leaves every other request's K/V as written."""
+    _on_device()
+    e = make("on", **{**GPU, "page_size": 1}, reserve_max=0)
+    a = e.allocator
+    kv = KVModel(e, layers=2)
+    for rid, n in enumerate([1500, 3000, 700]):
+        loc = a.alloc(n)
+        assert loc is not None and loc.is_cuda and loc.numel() == n
+        kv.write(rid, loc)
+    owned = kv.rows[1][0]
+    assert len(set(owned.tolist())) == 3000 and 0 not in owned.tolist()
+    kv.check()
+    before, driver = e.pages(), DriverMemory()
+    a.free(kv.drop(1))
+    assert _check_returned(e, before, driver) >= 1  # 3000 tokens own at least 1 page alone
+    kv.check()
+    loc = a.alloc(2000)
+    kv.write(3, loc)
+    kv.check()
