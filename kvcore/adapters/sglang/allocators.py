@@ -205,11 +205,15 @@ class ElasticTokenToKVPoolAllocator(_ElasticMixin, TokenToKVPoolAllocator):  # t
             ids = self.ledger.alloc(need_size)
             return None if ids is None else self._as_tensor(ids)
         # On a GPU a host-to-device copy of the ids would wait for the device: the ledger
-        # hands them over as runs, copied on the device from views of the id table (a new
-        # tensor: SGLang's callers own what alloc returns).
+        # hands them over as runs; one run is a view of the id table, as upstream's alloc
+        # returns a view of its free list (SGLang's callers only read it), a few runs are
+        # concatenated on the device.
         runs = self.ledger.alloc_runs(need_size)
         if runs is None:
             return None
+        if len(runs) == 1:
+            first, count = runs[0]
+            return self._block_ids[first : first + count]
         if len(runs) <= _RUNS_AS_VIEWS:
             return torch.cat([self._block_ids[a : a + k] for a, k in runs])
         return self._as_tensor([b for a, k in runs for b in range(a, a + k)])
