@@ -68,6 +68,8 @@ class _ElasticMixin:
     ledger: BlockLedger
     max_cached_tokens: int | None
     _budgeted: bool
+    _block_ids: torch.Tensor
+    """Every block id in order, on the allocator's device: runs of fresh ids are its views."""
 
     def _bind(self, kvcache: Any) -> None:
         manager = getattr(kvcache, "kvcore_manager", None)
@@ -96,6 +98,29 @@ class _ElasticMixin:
             return self._empty
         t = torch.frombuffer(array("q", ids), dtype=torch.int64)
         return t if self._on_cpu else t.to(self.device)
+
+    def _fresh_ids(self, n: int) -> torch.Tensor | None:
+        """``n`` fresh ledger blocks as an int64 tensor on the allocator's device (token ids
+        at ``page_size == 1``, the page tensor SGLang's index kernels read otherwise), or
+        ``None`` on a miss. On a GPU, and on the CPU from ``_RUNS_FROM`` blocks, the ledger
+        hands them over as runs (``BlockLedger.alloc_runs``): one run is a view of
+        ``_block_ids`` (no per-id work; on a GPU no host-to-device copy, which would wait
+        for the device), a few on a GPU are concatenated on the device; fewer blocks on the
+        CPU, or many scattered runs, are copied from a list of ids (cheaper there than
+        finding runs). A view is only read, as upstream's token ``alloc`` hands out a view
+        of its free list."""
+        if self._on_cpu and n < _RUNS_FROM:
+            ids = self.ledger.alloc(n)
+            return None if ids is None else self._as_tensor(ids)
+        runs = self.ledger.alloc_runs(n)
+        if runs is None:
+            return None
+        if len(runs) == 1:
+            first, count = runs[0]
+            return self._block_ids[first : first + count]
+        if not self._on_cpu and 1 < len(runs) <= _RUNS_AS_VIEWS:
+            return torch.cat([self._block_ids[a : a + k] for a, k in runs])
+        return self._as_tensor([b for a, k in runs for b in range(a, a + k)])
 
     def _free_all(self) -> None:
         ledger = self.ledger
@@ -201,22 +226,7 @@ class ElasticTokenToKVPoolAllocator(_ElasticMixin, TokenToKVPoolAllocator):  # t
         return None
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
-        if self._on_cpu:
-            ids = self.ledger.alloc(need_size)
-            return None if ids is None else self._as_tensor(ids)
-        # On a GPU a host-to-device copy of the ids would wait for the device: the ledger
-        # hands them over as runs; one run is a view of the id table, as upstream's alloc
-        # returns a view of its free list (SGLang's callers only read it), a few runs are
-        # concatenated on the device.
-        runs = self.ledger.alloc_runs(need_size)
-        if runs is None:
-            return None
-        if len(runs) == 1:
-            first, count = runs[0]
-            return self._block_ids[first : first + count]
-        if len(runs) <= _RUNS_AS_VIEWS:
-            return torch.cat([self._block_ids[a : a + k] for a, k in runs])
-        return self._as_tensor([b for a, k in runs for b in range(a, a + k)])
+        return self._fresh_ids(need_size)
 
     def free(self, free_index: torch.Tensor) -> None:
         if free_index.numel() == 0:
@@ -253,7 +263,7 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
                 hint="give the allocator and the pool the same size and page size",
             )
         # every block id in order, on the device (the size of upstream's free_pages): a run
-        # of fresh ids is a view of it (``_fresh_pages``)
+        # of fresh ids is a view of it (``_fresh_ids``)
         self._block_ids = torch.arange(self.num_pages + 1, dtype=torch.int64, device=self.device)
         self.clear()
 
@@ -276,30 +286,9 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
     def merge_and_sort_free(self) -> None:
         return None
 
-    def _fresh_pages(self, num_pages: int) -> torch.Tensor | None:
-        """``num_pages`` fresh ledger blocks as the page tensor SGLang's index kernels read
-        (never written, never handed to SGLang's callers), or ``None`` on a miss. On a GPU,
-        and on the CPU from ``_RUNS_FROM`` blocks, the ledger hands them over as runs
-        (``BlockLedger.alloc_runs``): one run is a view of ``_block_ids`` (no per-id work;
-        on a GPU no host-to-device copy, which would wait for the device), a few on a GPU
-        the concatenation of such views; fewer blocks on the CPU, or scattered ones, are
-        copied from a list of ids (cheaper there than finding runs)."""
-        if self._on_cpu and num_pages < _RUNS_FROM:
-            ids = self.ledger.alloc(num_pages)
-            return None if ids is None else self._as_tensor(ids)
-        runs = self.ledger.alloc_runs(num_pages)
-        if runs is None:
-            return None
-        if len(runs) == 1:
-            first, count = runs[0]
-            return self._block_ids[first : first + count]
-        if not self._on_cpu and 1 < len(runs) <= _RUNS_AS_VIEWS:
-            return torch.cat([self._block_ids[a : a + k] for a, k in runs])
-        return self._as_tensor([b for a, k in runs for b in range(a, a + k)])
-
     def _take(self, num_pages: int) -> bool:
         """Stage ``num_pages`` fresh ledger blocks as ``free_pages`` for SGLang's kernel."""
-        pages = self._fresh_pages(num_pages)
+        pages = self._fresh_ids(num_pages)
         if pages is None:
             return False
         self.free_pages = pages
@@ -326,7 +315,7 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
         if num_new_pages is None:
             num_new_pages = _extend_new_pages(prefix_lens_cpu, seq_lens_cpu, self.page_size)
         if _NAIVE_KERNELS:  # 0.5.23+: upstream's alloc_extend minus its free-list bookkeeping
-            pages = self._fresh_pages(num_new_pages)
+            pages = self._fresh_ids(num_new_pages)
             if pages is None:
                 return None
             return self._extend_kernel(prefix_lens, seq_lens, last_loc, pages, extend_num_tokens)
@@ -436,10 +425,10 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
             self.ledger.free(ids.tolist())
 
 
-# ``_fresh_pages`` on a GPU concatenates views of the id table for up to this many runs (a
+# ``_fresh_ids`` on a GPU concatenates views of the id table for up to this many runs (a
 # few tensor calls each); more runs are expanded to ids and copied in one tensor
 _RUNS_AS_VIEWS = 8
-# ``_fresh_pages`` on the CPU takes this many blocks or more as runs, fewer as a list of ids:
+# ``_fresh_ids`` on the CPU takes this many blocks or more as runs, fewer as a list of ids:
 # measured in the allocator's cycles (``benchmarks/sglang_alloc.py``), runs cost more than
 # they save at 32 and 152 blocks (``alloc_runs`` merging a partly used page's ids into runs,
 # then expanding scattered ones) and save ~10 us at 512 (no list, no copy)

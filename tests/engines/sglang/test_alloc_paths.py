@@ -62,10 +62,10 @@ def test_fresh_pages_are_views_of_the_id_table_or_copies(
     a = make("on", size=(n + 64) * 16, page_size=16).allocator
     ledger = a.ledger
     table = a._block_ids.untyped_storage().data_ptr()
-    big = a._fresh_pages(n)  # the rest of page 0 and fresh pages: one run
+    big = a._fresh_ids(n)  # the rest of page 0 and fresh pages: one run
     assert big is not None and big.untyped_storage().data_ptr() == table
     assert big.tolist() == list(range(1, n + 1)) and ledger.used() == n + 1
-    small = a._fresh_pages(3)
+    small = a._fresh_ids(3)
     assert small is not None and small.untyped_storage().data_ptr() != table
     assert len(set(small.tolist()) - set(big.tolist())) == 3 and ledger.used() == n + 4
     assert all(ledger.is_allocated(b) for b in small.tolist())
@@ -79,7 +79,7 @@ def test_fresh_pages_are_views_of_the_id_table_or_copies(
         ([], []),
     ]:
         monkeypatch.setattr(ledger, "alloc_runs", lambda k, runs=runs: runs)
-        got = a._fresh_pages(len(want))
+        got = a._fresh_ids(len(want))
         assert got is not None and got.tolist() == want
 
 
