@@ -111,6 +111,11 @@ def test_bad_interval_is_a_usage_error(capsys: pytest.CaptureFixture[str], value
     assert "--interval" in capsys.readouterr().err
 
 
+def _foreground_job() -> None:
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _live_kvtop() -> tuple[subprocess.Popen[bytes], int, int]:
     master, slave = pty.openpty()
     proc = subprocess.Popen(
@@ -121,8 +126,10 @@ def _live_kvtop() -> tuple[subprocess.Popen[bytes], int, int]:
         stderr=slave,
         env={**os.environ, "TERM": "xterm-256color", "COLUMNS": "120", "LINES": "40"},
         start_new_session=True,
-        # make the pty its controlling terminal, so Ctrl-C reaches it as SIGINT
-        preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+        # make the pty its controlling terminal, so Ctrl-C reaches it as SIGINT, with SIGINT's
+        # default action as a shell gives its foreground job (a non-interactive shell starts
+        # background commands with SIGINT ignored, and Python then installs no handler)
+        preexec_fn=_foreground_job,
     )
     return proc, master, slave
 
