@@ -90,6 +90,11 @@ class _ElasticMixin:
         self._budgeted = manager.config.limit_bytes is not None or manager.config.gpu_ledger
         self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
         self._on_cpu = self._empty.device.type == "cpu"  # read once: .device builds an object
+        # every block id in order (the size of upstream's free list): a run of fresh ids is
+        # a view of it (``_fresh_ids``)
+        self._block_ids = torch.arange(
+            self.ledger.geometry.num_blocks, dtype=torch.int64, device=self.device
+        )
 
     def _as_tensor(self, ids: list[int]) -> torch.Tensor:
         """The ledger's id list as an int64 tensor on the allocator's device (through an
@@ -204,8 +209,6 @@ class ElasticTokenToKVPoolAllocator(_ElasticMixin, TokenToKVPoolAllocator):  # t
         self.ledger = None  # type: ignore[assignment]  # clear() runs inside super().__init__
         super().__init__(size, dtype, device, kvcache, need_sort)
         self._bind(kvcache)
-        # on a GPU, fresh ids are copied on the device from views of this table (``alloc``)
-        self._block_ids = torch.arange(size + 1, dtype=torch.int64, device=self.device)
         self.clear()
 
     def clear(self) -> None:
@@ -262,9 +265,6 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
                 f"{self.ledger.geometry.num_blocks - 1} kvcore blocks",
                 hint="give the allocator and the pool the same size and page size",
             )
-        # every block id in order, on the device (the size of upstream's free_pages): a run
-        # of fresh ids is a view of it (``_fresh_ids``)
-        self._block_ids = torch.arange(self.num_pages + 1, dtype=torch.int64, device=self.device)
         self.clear()
 
     def clear(self) -> None:
