@@ -61,6 +61,7 @@ from kvcore.adapters.vllm.rank_gates import RankLedgerGates, publish_device
 from kvcore.channel import ChannelCoordinator, ChannelDirectory, WorkerListener, socket_path
 from kvcore.errors import ChannelError, PoolFailed, UnsupportedConfiguration, WorkersMissing
 from kvcore.geometry import KVGeometry
+from kvcore.teardown import close_parts
 from kvcore.tensors import LocalPageMapper, VirtualKVCache
 from kvcore.vmm import open_backend
 
@@ -271,16 +272,7 @@ class ChannelKVMemory(KVMemory):
                 log.info("kvcore: the workers' pages go with their processes: %s", exc)
             except Exception:
                 log.exception("kvcore: closing the page allocator failed")
-        closers = [getattr(self.gate, "close", None)]
-        if self.coordinator is not None:
-            closers.insert(0, self.coordinator.close)
-        for close in closers:
-            if close is None:
-                continue
-            try:
-                close()
-            except Exception:
-                log.exception("kvcore: closing %s failed", close)
+        close_parts([("channel", self.coordinator), ("memory gate", self.gate)], on_error="log")
 
 
 def _gate(config: ElasticConfig, parallel: ParallelSettings, capacity: int) -> MemoryGate:
