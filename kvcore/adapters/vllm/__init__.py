@@ -6,6 +6,7 @@ buffer's allocation); what they call is here:
 * ``runtime`` — ``elastic_settings`` (start-up validation, the engine core),
   ``elastic_kv_buffer`` (the worker's KV buffer on a kvcore virtual tensor),
   ``elastic_block_pool_class`` (the scheduler's block pool);
+* ``warmup`` — ``warmup_blocks`` (the worker's start-up warm-up writes only backed blocks);
 * ``pool`` — ``ElasticBlockPool``, vLLM's own ``BlockPool`` over a kvcore ``BlockLedger``;
 * ``checks`` — which vLLM configurations elastic KV supports.
 
@@ -18,5 +19,12 @@ from kvcore.adapters.vllm.runtime import (
     elastic_settings,
     manager_for,
 )
+from kvcore.adapters.vllm.warmup import warmup_blocks
 
-__all__ = ["elastic_block_pool_class", "elastic_kv_buffer", "elastic_settings", "manager_for"]
+__all__ = [
+    "elastic_block_pool_class",
+    "elastic_kv_buffer",
+    "elastic_settings",
+    "manager_for",
+    "warmup_blocks",
+]

@@ -63,6 +63,7 @@ __all__ = [
     "elastic_block_pool_class",
     "elastic_kv_buffer",
     "elastic_settings",
+    "existing_memory",
     "manager_for",
     "release_kv_memory",
 ]
@@ -201,6 +202,13 @@ def manager_for(
                 "is built",
             )
     return manager
+
+
+def existing_memory(kv_cache_config: Any) -> ElasticKVMemory | None:
+    """This process's open kvcore memory for ``kv_cache_config``'s KV buffer, or ``None``
+    when none was made here (or it was closed); never makes one (``manager_for`` does)."""
+    with _lock:
+        return _live(_key(kv_cache_config))
 
 
 def release_kv_memory() -> None:
