@@ -76,11 +76,18 @@ def warmup_blocks(worker: Any) -> Iterator[None]:
         fold_scheduler_output(scheduler_output, fold)
         return execute_model(scheduler_output, *args, **kwargs)
 
+    shadowed = vars(worker).get("execute_model", _NOTHING)  # a wrapper set on the instance
     worker.execute_model = folded_execute_model  # an instance attribute shadows the method
     try:
         yield
     finally:
-        del worker.execute_model
+        if shadowed is _NOTHING:
+            del worker.execute_model
+        else:
+            worker.execute_model = shadowed
+
+
+_NOTHING = object()
 
 
 def _fold_groups(groups: Sequence[Sequence[int]], fold: Callable[[int], int]) -> tuple:

@@ -1,0 +1,276 @@
+"""Pack a forked vLLM wheel for a GPU machine with no network, in parts one call can carry.
+
+The lent GPU machine (``docs/benchmarks.md``, "vLLM on the GPU machine") has Python 3.12,
+torch, Triton and the CUDA toolkit, no vLLM and no network, and one call carries at most
+64 MiB. vLLM's compiled kernels use torch's stable C ABI, so the release's own ``.so``
+files load on the image's torch. This writes ``<out>/part-N.tar`` (each at most
+``--part-mib``) and ``manifest.json``; ``benchmarks/vllm_device.sh unpack`` installs a
+part there, one part per call, the calls back to back (the machine keeps ``/tmp`` while it
+stays warm). What goes in:
+
+* the forked wheel's Python tree (patches applied), with its small extension modules; the
+  large ones that serving a dense model on Hopper loads (``_C_stable_libtorch``, FA3's
+  ``_vllm_fa3_C``) each xz-compressed on its own; left out: FA2, MoE, DeepGEMM, FMHA-SM100,
+  FlashMLA and the Rust frontend binary (not loaded for dense attention models on an H200;
+  ``third_party``'s Python modules, pynvml among them, stay: platform detection needs it);
+* cp312 manylinux wheels of vLLM's runtime requirements the image lacks, resolved by pip
+  for the target platform and pinned in the manifest (GPU kernel libraries vLLM lists but a
+  dense model on FA3 never imports, and everything the image has, left out);
+* the offline model directories of ``benchmarks/offline_model.py``.
+
+    python benchmarks/vllm_bundle.py --version 0.33.0 --out .vdev/0.33.0
+
+Needs ``tokenizers`` here (the model directories) and the registry (pip download).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import lzma
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from offline_model import SHAPES, write_model_dir  # noqa: E402
+
+IMAGE = """
+absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch
+build certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage
+cuda-bindings cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn
+einops equinox etils execnet filelock flatbuffers flax fonttools formulaic frozenlist fsspec
+gpytorch grpcio h11 h5py hf-xet httpcore httpx huggingface-hub humanize hypothesis idna imageio
+iniconfig interface-meta jax jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib
+kiwisolver lazy-loader lightning lightning-utilities linear-operator lineax llvmlite lxml
+markdown markdown-it-py markupsafe matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack
+multidict multipledispatch mypy-extensions nanobind narwhals networkx ninja numba numba-cuda
+numpy numpyro onnx onnx-ir onnxruntime onnxscript opencv-python-headless optax opt-einsum
+opt-einsum-fx optimistix orbax-checkpoint packaging pandas pathspec patsy peft pillow pip pluggy
+portalocker prometheus-client propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments
+pyparsing pyproject-hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock
+pytest-timeout pytest-xdist python-dateutil pytorch-lightning pyyaml regex requests rich
+sacrebleu safetensors scikit-build-core scikit-image scikit-learn scipy seaborn sentencepiece
+sentence-transformers setuptools shellingham simplejson six sortedcontainers statsmodels sympy
+tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm
+tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm
+transformers treescope triton typer typing-extensions typing-inspect urllib3 uvloop
+wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp""".split()  # noqa: SIM905
+"""What the GPU machine's image provides (the device tool's KINDS.md, read 2026-11-17)."""
+
+NOT_CARRIED = re.compile(
+    r"^(torch|torchaudio|torchvision|torchcodec|pynvvideocodec|flashinfer-python|tilelang|"
+    r"nvidia-.*|nvtx|fastsafetensors|instanttensor|quack-kernels|tokenspeed-mla|"
+    r"humming-kernels|numba|opencv-python-headless|ninja|opentelemetry-(sdk|exporter-otlp)|"
+    r"opentelemetry-semantic-conventions-ai)$"
+)
+"""vLLM requirements not carried: CUDA builds of torch and kernel libraries a dense model on
+FA3 never imports, what the image has in its own build, tracing exporters (off by default)."""
+
+BIG_SO = ("vllm/_C_stable_libtorch.abi3.so", "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so")
+"""Compiled modules carried, each xz-compressed on its own (too large for a shared part)."""
+
+SKIPPED = re.compile(
+    r"^vllm/(vllm-rs|third_party/(deep_gemm|fmha_sm100)/|vllm_flash_attn/_vllm_fa2_C|_moe_C|"
+    r"_flashmla|_deepselect_C|"
+    r"_flashkda_C|_qutlass_C)"
+)
+"""Wheel members not carried (not loaded serving a dense model with FA3 on an H200)."""
+
+PLATFORMS = ("manylinux_2_34", "manylinux_2_31", "manylinux_2_28", "manylinux_2_27",
+             "manylinux_2_26", "manylinux_2_24", "manylinux_2_17", "manylinux2014",
+             "manylinux1")  # fmt: skip
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _pip_target_args(python: str) -> list[str]:
+    args = ["--only-binary=:all:", "--python-version", python, "--implementation", "cp"]
+    for p in PLATFORMS:
+        args += ["--platform", f"{p}_x86_64"]
+    return args
+
+
+def _requirements(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = zf.read(meta).decode().splitlines()
+    reqs = []
+    for line in lines:
+        if not line.startswith("Requires-Dist: "):
+            continue
+        req = line.removeprefix("Requires-Dist: ")
+        marker = req.partition(";")[2].strip()
+        if "extra ==" in marker or marker == 'platform_machine == "s390x"':
+            continue
+        name = _norm(re.split(r"[\s\[<>=!~;]", req, maxsplit=1)[0])
+        if name in IMAGE or NOT_CARRIED.match(name):
+            continue
+        reqs.append(req)
+    return reqs
+
+
+def resolve(wheel: Path, python: str, work: Path) -> list[tuple[str, str, str]]:
+    """``(name, version, url)`` of every wheel to carry: pip's resolution of the forked
+    wheel's runtime requirements for the target platform, less what the image has."""
+    req_file = work / "requirements.txt"
+    req_file.write_text("\n".join(_requirements(wheel)) + "\n")
+    report = work / "report.json"
+    if report.exists() and (work / "requirements.used").read_text() == req_file.read_text():
+        print("reusing the last resolution (delete work/report.json to resolve again)")
+        return _picked(report)
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
+           *_pip_target_args(python), "--target", str(work / "target"),
+           "--report", str(report), "-r", str(req_file)]  # fmt: skip
+    print("resolving vLLM's requirements for the GPU machine (pip, ~2 min) ...", flush=True)
+    subprocess.run(cmd, check=True)
+    shutil.copy(req_file, work / "requirements.used")
+    return _picked(report)
+
+
+def _picked(report: Path) -> list[tuple[str, str, str]]:
+    picked = []
+    for item in json.loads(report.read_text())["install"]:
+        name = _norm(item["metadata"]["name"])
+        if name in IMAGE or NOT_CARRIED.match(name):
+            continue
+        picked.append((name, item["metadata"]["version"], item["download_info"]["url"]))
+    return sorted(picked)
+
+
+def _download(picked: list[tuple[str, str, str]], python: str, dest: Path) -> list[Path]:
+    dest.mkdir(parents=True, exist_ok=True)
+    have = {_norm(w.name.split("-")[0]) + "==" + w.name.split("-")[1] for w in dest.glob("*.whl")}
+    specs = [f"{n}=={v}" for n, v, _ in picked if f"{n}=={v}" not in have]
+    if not specs:
+        return sorted(dest.glob("*.whl"))
+    print(f"downloading {len(specs)} wheels ...", flush=True)
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+           *_pip_target_args(python), "-d", str(dest), *specs]  # fmt: skip
+    subprocess.run(cmd, check=True)
+    return sorted(dest.glob("*.whl"))
+
+
+def _xz(data: bytes) -> bytes:
+    return lzma.compress(data, preset=6)
+
+
+def _python_tree(wheel: Path, dest: Path, cache: Path) -> tuple[Path, list[Path]]:
+    """``vllm-py.tar.xz`` (everything not large or skipped) and one ``.xz`` per big module."""
+    bigs: list[Path] = []
+    tree = dest / "vllm-py.tar.xz"
+    with zipfile.ZipFile(wheel) as zf, tarfile.open(tree, "w:xz") as tar:
+        for info in zf.infolist():
+            name = info.filename
+            if info.is_dir() or SKIPPED.match(name):
+                continue
+            data = zf.read(info)
+            if name in BIG_SO:
+                out = dest / (name.replace("/", "%") + ".xz")  # the path, in one file name
+                cached = cache / f"{info.CRC:08x}-{out.name}"
+                if not cached.exists():
+                    print(f"compressing {name} ({len(data) >> 20} MiB) ...", flush=True)
+                    cache.mkdir(exist_ok=True)
+                    cached.write_bytes(_xz(data))
+                shutil.copy(cached, out)
+                bigs.append(out)
+                continue
+            member = tarfile.TarInfo(name)
+            member.size = len(data)
+            member.mode = 0o755 if name.endswith(".so") else 0o644
+            tar.addfile(member, io.BytesIO(data))
+    return tree, bigs
+
+
+def _models(dest: Path) -> Path:
+    out = dest / "models.tar.xz"
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in SHAPES:
+            write_model_dir(Path(tmp), shape)
+        with tarfile.open(out, "w:xz") as tar:
+            tar.add(tmp, arcname="models")
+    return out
+
+
+def _pack(files: list[Path], out: Path, limit: int) -> list[list[Path]]:
+    """First-fit-decreasing into parts of at most ``limit`` bytes each."""
+    parts: list[list[Path]] = []
+    sizes: list[int] = []
+    for f in sorted(files, key=lambda p: p.stat().st_size, reverse=True):
+        size = f.stat().st_size + 4096
+        if size > limit:
+            sys.exit(f"{f.name} is {size >> 20} MiB, over the {limit >> 20} MiB part limit")
+        for i, used in enumerate(sizes):
+            if used + size <= limit:
+                parts[i].append(f)
+                sizes[i] += size
+                break
+        else:
+            parts.append([f])
+            sizes.append(size)
+    for i, members in enumerate(parts, 1):
+        with tarfile.open(out / f"part-{i}.tar", "w") as tar:
+            for f in members:
+                tar.add(f, arcname=f.name)
+    return parts
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", required=True, help="the forked vLLM release, e.g. 0.33.0")
+    parser.add_argument("--wheel", type=Path, help="default: the newest dist/vllm-V+kvcore.*")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--python", default="3.12", help="the GPU machine's Python")
+    parser.add_argument(
+        "--part-mib",
+        type=int,
+        default=61,
+        help="part size limit: a call carries 64 MiB, the checkout's ~2 MiB included",
+    )
+    args = parser.parse_args(argv)
+    wheel = args.wheel or max(
+        (ROOT / "dist").glob(f"vllm-{args.version}+kvcore.*.whl"), key=lambda p: p.stat().st_mtime
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    for old in args.out.glob("part-*.tar"):
+        old.unlink()
+    work = args.out / "work"  # kept: a second run reuses the resolution and downloads
+    work.mkdir(exist_ok=True)
+    picked = resolve(wheel, args.python, work)
+    wheels = _download(picked, args.python, work / "wheels")
+    staged = work / "staged"
+    if staged.exists():
+        shutil.rmtree(staged)
+    staged.mkdir()
+    deps = staged / "wheels.tar"
+    with tarfile.open(deps, "w") as tar:
+        for w in wheels:
+            tar.add(w, arcname=f"wheels/{w.name}")
+    tree, bigs = _python_tree(wheel, staged, work / "xz")
+    models = _models(staged)
+    parts = _pack([deps, tree, models, *bigs], args.out, args.part_mib << 20)
+    manifest = {
+        "wheel": wheel.name,
+        "python": args.python,
+        "wheels": [{"name": n, "version": v, "url": u} for n, v, u in picked],
+        "parts": {f"part-{i}.tar": [p.name for p in ps] for i, ps in enumerate(parts, 1)},
+        "shapes": sorted(SHAPES),
+    }
+    (args.out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    for name, members in manifest["parts"].items():
+        size = (args.out / name).stat().st_size
+        print(f"{args.out / name}: {size / 2**20:.1f} MiB: {', '.join(members)}")
+
+
+if __name__ == "__main__":
+    main()
