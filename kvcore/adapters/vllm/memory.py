@@ -154,14 +154,17 @@ class ElasticKVMemory(KVMemory):
             self._teardown(on_error="log")  # the error that stopped the start is raised
             raise
         log.info(
-            "kvcore: elastic KV cache of %d blocks (%d bytes each) on %d pages of %d bytes "
-            "(%s backend, limit %s)",
+            "kvcore: elastic KV cache of %d blocks (%d bytes each; logical capacity %d bytes) "
+            "on %d pages of %d bytes, %s layout (%s backend, physical limit %s, gpu_ledger %s)",
             num_blocks,
             block_bytes,
+            num_blocks * block_bytes,
             self.geometry.num_pages,
             self.geometry.page_device_bytes,
+            self.geometry.layout,
             self.backend.name,
-            config.limit_bytes,
+            "none" if config.limit_bytes is None else config.limit_bytes,
+            config.gpu_ledger,
         )
 
     def _gate(self, config: ElasticConfig, capacity: int) -> MemoryGate:

@@ -90,7 +90,9 @@ def warmup_blocks(worker: Any) -> Iterator[None]:
 _NOTHING = object()
 
 
-def _fold_groups(groups: Sequence[Sequence[int]], fold: Callable[[int], int]) -> tuple:
+def _fold_groups(
+    groups: Sequence[Sequence[int]], fold: Callable[[int], int]
+) -> tuple[list[int], ...]:
     return tuple([fold(b) for b in ids] for ids in groups)
 
 
