@@ -94,6 +94,12 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def _carried(name: str) -> bool:
+    """Whether the distribution ``name`` travels: neither in the image nor ``NOT_CARRIED``."""
+    name = _norm(name)
+    return name not in IMAGE and not NOT_CARRIED.match(name)
+
+
 def _pip_target_args(python: str) -> list[str]:
     args = ["--only-binary=:all:", "--python-version", python, "--implementation", "cp"]
     for p in PLATFORMS:
@@ -113,10 +119,8 @@ def _requirements(wheel: Path) -> list[str]:
         marker = req.partition(";")[2].strip()
         if "extra ==" in marker or marker == 'platform_machine == "s390x"':
             continue
-        name = _norm(re.split(r"[\s\[<>=!~;]", req, maxsplit=1)[0])
-        if name in IMAGE or NOT_CARRIED.match(name):
-            continue
-        reqs.append(req)
+        if _carried(re.split(r"[\s\[<>=!~;]", req, maxsplit=1)[0]):
+            reqs.append(req)
     return reqs
 
 
@@ -142,9 +146,8 @@ def _picked(report: Path) -> list[tuple[str, str, str]]:
     picked = []
     for item in json.loads(report.read_text())["install"]:
         name = _norm(item["metadata"]["name"])
-        if name in IMAGE or NOT_CARRIED.match(name):
-            continue
-        picked.append((name, item["metadata"]["version"], item["download_info"]["url"]))
+        if _carried(name):
+            picked.append((name, item["metadata"]["version"], item["download_info"]["url"]))
     return sorted(picked)
 
 
@@ -174,17 +177,17 @@ def _python_tree(wheel: Path, dest: Path, cache: Path) -> tuple[Path, list[Path]
             name = info.filename
             if info.is_dir() or SKIPPED.match(name):
                 continue
-            data = zf.read(info)
             if name in BIG_SO:
                 out = dest / (name.replace("/", "%") + ".xz")  # the path, in one file name
                 cached = cache / f"{info.CRC:08x}-{out.name}"
-                if not cached.exists():
-                    print(f"compressing {name} ({len(data) >> 20} MiB) ...", flush=True)
+                if not cached.exists():  # read and compress only what the cache lacks
+                    print(f"compressing {name} ({info.file_size >> 20} MiB) ...", flush=True)
                     cache.mkdir(exist_ok=True)
-                    cached.write_bytes(_xz(data))
+                    cached.write_bytes(_xz(zf.read(info)))
                 shutil.copy(cached, out)
                 bigs.append(out)
                 continue
+            data = zf.read(info)
             member = tarfile.TarInfo(name)
             member.size = len(data)
             member.mode = 0o755 if name.endswith(".so") else 0o644

@@ -141,7 +141,9 @@ def test_memory_follows_the_load_and_returns(tmp_path: Path) -> None:
     assert idle - lowest >= 256 * MiB, "KV pages were never mapped"
     assert all(d >= lowest + (idle - lowest) // 2 for d in drained), (idle, lowest, drained)
     assert abs(on["free_after"] - on["free_before"]) <= 64 * MiB
-    for path in list_ledgers(tmp_path):
+    ledgers = list_ledgers(tmp_path)
+    assert ledgers, f"gpu_ledger wrote no ledger under {tmp_path}"
+    for path in ledgers:
         ledger = GpuLedger.open_path(path)
         try:
             assert ledger.snapshot().records == ()
