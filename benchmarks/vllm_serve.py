@@ -1,13 +1,25 @@
 """vLLM's OpenAI server with elastic KV on and off, loaded by vLLM's own benchmark client.
 
-For each model shape, servers are launched in turn in each of ``--modes`` (``off``:
-upstream, vLLM's default KV layout; ``off-blhnc``: upstream code on the block-outermost
-layout elastic KV needs, ``VLLM_KV_CACHE_LAYOUT=BLHNC``; ``on``: elastic KV, same layout),
-``--repeats`` rounds; each launch serves every load in ``--rates``
-with ``vllm bench serve`` (random dataset, ``--input-len`` / ``--output-len`` tokens,
-``--ignore-eos``), twice per rate. While a server runs, the device's used memory is sampled
-through NVML. The JSON written to ``--out`` holds every client result and memory series;
-the printed table holds medians over runs, and elastic-on / off ratios.
+Per model shape, one ``vllm serve`` per mode in ``--modes`` starts at once, each on its own
+port with the same KV capacity (``--kv-cache-memory-bytes``: upstream allocates it at start,
+elastic KV plans it as its logical capacity and maps pages as they fill), so that idle
+servers hold memory but no compute and the rounds can interleave:
+
+* ``off``: upstream code, vLLM's default layout (LBNHC with FLASH_ATTN and TRITON_ATTN);
+* ``off-blnhc`` / ``off-blhnc``: upstream code on a block-outermost layout
+  (``VLLM_KV_CACHE_LAYOUT``), what the layout alone costs;
+* ``on``: ``--kvcore-elastic``, on the layout it resolves (the block-outermost form of
+  vLLM's choice, BLNHC); ``on-blhnc``: elastic KV on BLHNC.
+
+Then ``--repeats`` rounds: in each, every rate of ``--rates`` is sent to every server in turn
+(the order rotates between rounds) by vLLM's own benchmark client (``vllm bench serve``'s
+``main``, in this process: random dataset, ``--input-len`` / ``--output-len`` tokens,
+``--ignore-eos``, seed = the round, so every mode gets the same prompts and no round hits
+another's prefix cache). The first round of an elastic server maps its pages from cold; the
+table gives medians over all rounds and, apart, the first round's ratio. While the servers
+run, device memory in use is sampled through NVML, device-wide and per server process group
+where NVML names the processes. The JSON written to ``--out`` holds every client result and
+the memory series.
 
     bash benchmarks/vllm_device.sh run python3 benchmarks/vllm_serve.py \\
         --models $KVDEV/models/qwen3-0.6b --out $OUT/serve.json
@@ -19,6 +31,8 @@ Runs where vLLM, a GPU and the offline model directories are (``vllm_device.sh``
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import signal
@@ -33,149 +47,201 @@ from pathlib import Path
 from typing import Any
 
 CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
-MODES = ("off", "off-blhnc", "on")
+MODES: dict[str, tuple[bool, str | None]] = {
+    "off": (False, None),
+    "off-blnhc": (False, "BLNHC"),
+    "off-blhnc": (False, "BLHNC"),
+    "on": (True, None),
+    "on-blhnc": (True, "BLHNC"),
+}
+"""Mode -> (elastic KV, ``VLLM_KV_CACHE_LAYOUT`` or None for the engine's own choice)."""
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+GiB = 1 << 30
 
 
 class MemorySampler:
-    """Device memory in use (NVML, bytes) every ``interval`` seconds on a thread."""
+    """Device memory in use every ``interval`` seconds on a thread (NVML, bytes): the device
+    total, and per server (the processes of its session) where NVML lists processes."""
 
-    def __init__(self, interval: float = 0.25) -> None:
+    def __init__(self, sessions: dict[int, str], interval: float = 0.5) -> None:
         import pynvml
 
         pynvml.nvmlInit()
         self._nvml = pynvml
         self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        self._sessions = sessions
         self.interval = interval
         self.t0 = time.monotonic()
-        self.series: list[tuple[float, str, int]] = []
+        self.series: list[dict[str, Any]] = []
         self.phase = "start"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def used(self) -> int:
-        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+    def _per_server(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        try:
+            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+        except self._nvml.NVMLError:
+            return held
+        for p in procs:
+            mode = self._sessions.get(_session_of(p.pid))
+            if mode is not None and p.usedGpuMemory is not None:
+                held[mode] = held.get(mode, 0) + int(p.usedGpuMemory)
+        return held
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.series.append((round(time.monotonic() - self.t0, 2), self.phase, self.used()))
+            used = int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+            t = round(time.monotonic() - self.t0, 2)
+            self.series.append({"t": t, "phase": self.phase, "used": used, **self._per_server()})
 
-    def close(self) -> list[tuple[float, str, int]]:
+    def close(self) -> list[dict[str, Any]]:
         self._stop.set()
         self._thread.join()
         return self.series
 
 
-def _wait_ready(port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {proc.returncode} while starting")
+def _session_of(pid: int) -> int | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[3])  # the session id (state, ppid, pgrp, session, ...)
+
+
+class Server:
+    """One ``vllm serve`` in its own session, its output in ``log``."""
+
+    def __init__(self, model: str, mode: str, port: int, args: Any, workdir: Path) -> None:
+        elastic, layout = MODES[mode]
+        self.mode, self.port = mode, port
+        env = dict(os.environ, VLLM_CACHE_ROOT=str(workdir / f"cache-{mode}"))
+        env.pop("VLLM_KV_CACHE_LAYOUT", None)
+        if layout:
+            env["VLLM_KV_CACHE_LAYOUT"] = layout
+        cmd = [*CLI, "serve", model, "--load-format", "dummy", "--port", str(port),
+               "--max-model-len", str(args.max_model_len), "--seed", "0",
+               "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+               "--kv-cache-memory-bytes", str(int(args.kv_gib * GiB))]  # fmt: skip
+        if args.enforce_eager:
+            cmd.append("--enforce-eager")
+        if elastic:
+            cmd.append("--kvcore-elastic")
+            if args.kvcore_config:
+                cmd += ["--kvcore-config", args.kvcore_config]
+        self.log_path = workdir / f"serve-{Path(model).name}-{mode}.log"
+        self._log = self.log_path.open("ab")
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+        self.start_s: float | None = None
+
+    def ready(self) -> bool:
+        if self.proc.poll() is not None:
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(
+                f"vllm serve ({self.mode}) exited with {self.proc.returncode}\n{tail}"
+            )
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                ok = r.status == 200
         except OSError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"vllm serve not ready on port {port} after {timeout:.0f} s")
+            return False
+        if ok and self.start_s is None:
+            self.start_s = round(time.monotonic() - self.t0, 1)
+        return ok
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
 
 
-def _serve_args(model: str, elastic: bool, kvcore_config: str | None, args: Any) -> list[str]:
-    cmd = [*CLI, "serve", model, "--load-format", "dummy", "--port", str(args.port),
-           "--max-model-len", str(args.max_model_len), "--seed", "0",
-           "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-           ]  # fmt: skip
-    if args.enforce_eager:
-        cmd.append("--enforce-eager")
-    if elastic:
-        cmd.append("--kvcore-elastic")
-        if kvcore_config:
-            cmd += ["--kvcore-config", kvcore_config]
-    return cmd
+def _bench(model: str, port: int, rate: str, seed: int, args: Any) -> dict[str, Any]:
+    """One ``vllm bench serve`` run against ``port`` (vLLM's client, in this process)."""
+    from vllm.benchmarks import serve as bench
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-
-def _bench(model: str, rate: str, args: Any, result: Path) -> dict[str, Any]:
     num_prompts = args.num_prompts if rate == "inf" else args.num_prompts_rate
-    cmd = [*CLI, "bench", "serve", "--backend", "vllm", "--model", model,
-           "--base-url", f"http://127.0.0.1:{args.port}", "--dataset-name", "random",
-           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-           "--num-prompts", str(num_prompts), "--request-rate", rate, "--ignore-eos",
-           "--seed", "0", "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles",
-           "50,99", "--save-result", "--result-dir", str(result.parent),
-           "--result-filename", result.name]  # fmt: skip
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    data = json.loads(result.read_text())
+    parser = FlexibleArgumentParser()
+    bench.add_cli_args(parser)
+    argv = ["--backend", "vllm", "--model", model, "--base-url", f"http://127.0.0.1:{port}",
+            "--dataset-name", "random", "--random-input-len", str(args.input_len),
+            "--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts),
+            "--request-rate", rate, "--ignore-eos", "--seed", str(seed),
+            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99"]  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()):
+        data = bench.main(parser.parse_args(argv))
     return {k: data.get(k) for k in (*METRICS, "completed", "num_prompts", "duration")}
 
 
-def run_launch(model: str, mode: str, args: Any, workdir: Path) -> dict[str, Any]:
-    elastic = mode == "on"
-    env = dict(os.environ)
-    if mode != "off":
-        env["VLLM_KV_CACHE_LAYOUT"] = "BLHNC"
-    log = (workdir / f"serve-{Path(model).name}-{mode}.log").open("ab")
-    sampler = MemorySampler()
-    idle_before = sampler.used()
-    t0 = time.monotonic()
-    cmd = _serve_args(model, elastic, args.kvcore_config if elastic else None, args)
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
-    )
+def run_model(model: str, args: Any, workdir: Path) -> dict[str, Any]:
+    servers = [Server(model, m, args.port + i, args, workdir) for i, m in enumerate(args.modes)]
+    sampler = MemorySampler({s.proc.pid: s.mode for s in servers})
     runs: list[dict[str, Any]] = []
     try:
-        _wait_ready(args.port, proc, args.start_timeout)
-        started = time.monotonic() - t0
-        for rate in args.rates:
-            for i in range(args.runs_per_rate):
-                sampler.phase = f"rate={rate}"
-                result = workdir / f"bench-{time.monotonic_ns()}.json"
-                runs.append({"rate": rate, "run": i, **_bench(model, rate, args, result)})
-                sampler.phase = "idle"
-                time.sleep(2.0)
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        deadline = time.monotonic() + args.start_timeout
+        while not all(s.ready() for s in servers):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"servers not ready after {args.start_timeout:.0f} s")
+            time.sleep(1.0)
+        print(f"{Path(model).name}: up in " + ", ".join(f"{s.mode} {s.start_s} s" for s in servers))
+        sampler.phase = "idle"
         time.sleep(3.0)
+        for r in range(args.repeats):
+            order = servers[r % len(servers) :] + servers[: r % len(servers)]
+            for rate in args.rates:
+                for s in order:
+                    sampler.phase = f"{s.mode} rate={rate} round={r}"
+                    got = _bench(model, s.port, rate, seed=r, args=args)
+                    runs.append({"mode": s.mode, "rate": rate, "round": r, **got})
+                    sampler.phase = "idle"
+                    print(f"  round {r} rate {rate:>4} {s.mode:>9}: "
+                          f"{got['output_throughput']:.0f} tok/s, "
+                          f"TPOT p50 {got['median_tpot_ms']:.2f} ms", flush=True)  # fmt: skip
+                    time.sleep(2.0)
+    finally:
+        for s in servers:
+            s.stop()
         sampler.phase = "stopped"
-        time.sleep(1.0)
+        time.sleep(3.0)
         series = sampler.close()
-        log.close()
     return {
         "model": Path(model).name,
-        "mode": mode,
-        "start_s": round(started, 1),
-        "used_before": idle_before,
-        "used_after_stop": series[-1][2] if series else None,
+        "modes": list(args.modes),
+        "start_s": {s.mode: s.start_s for s in servers},
         "runs": runs,
         "memory": series,
+        "logs": {s.mode: s.log_path.read_text(errors="replace")[-4000:] for s in servers},
     }
 
 
-def summarize(launches: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per model and rate: the median of each metric per mode, and each mode's ratio to
-    ``off`` (upstream as users run it)."""
+def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per model and rate: each mode's median of each metric over the rounds and its ratio to
+    ``off`` (upstream as users run it); ``first_*``: the first round alone."""
     rows = []
-    modes = list(dict.fromkeys(x["mode"] for x in launches))
-    for model in dict.fromkeys(x["model"] for x in launches):
-        rates = dict.fromkeys(r["rate"] for x in launches for r in x["runs"])
-        for rate in rates:
-            row: dict[str, Any] = {"model": model, "rate": rate}
-            for mode in modes:
-                runs = [r for x in launches if x["model"] == model and x["mode"] == mode
-                        for r in x["runs"] if r["rate"] == rate]  # fmt: skip
+    for res in results:
+        for rate in dict.fromkeys(r["rate"] for r in res["runs"]):
+            row: dict[str, Any] = {"model": res["model"], "rate": rate}
+            for mode in res["modes"]:
+                runs = [r for r in res["runs"] if r["mode"] == mode and r["rate"] == rate]
                 for m in METRICS:
                     vals = [r[m] for r in runs if r.get(m) is not None]
                     row[f"{m}_{mode}"] = statistics.median(vals) if vals else None
-            for mode in modes:
+                    first = [r[m] for r in runs if r["round"] == 0 and r.get(m) is not None]
+                    row[f"first_{m}_{mode}"] = first[0] if first else None
+            for mode in res["modes"]:
                 for m in METRICS:
-                    base, val = row.get(f"{m}_off"), row[f"{m}_{mode}"]
-                    row[f"{m}_{mode}_ratio"] = val / base if base and val else None
+                    for key in (f"{m}_{{}}", f"first_{m}_{{}}"):
+                        base, val = row.get(key.format("off")), row[key.format(mode)]
+                        row[key.format(mode) + "_ratio"] = val / base if base and val else None
             rows.append(row)
     return rows
 
@@ -184,46 +250,47 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", required=True, help="offline model directories")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--repeats", type=int, default=1, help="rounds of launches")
-    parser.add_argument("--modes", nargs="+", default=["off", "on"], choices=MODES)
-    parser.add_argument("--runs-per-rate", type=int, default=2)
+    parser.add_argument("--modes", nargs="+", default=["off", "on"], choices=list(MODES))
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over every server")
     parser.add_argument("--rates", nargs="+", default=["inf", "16"])
-    parser.add_argument("--num-prompts", type=int, default=400, help="at rate inf")
-    parser.add_argument("--num-prompts-rate", type=int, default=200, help="at a finite rate")
+    parser.add_argument("--num-prompts", type=int, default=500, help="at rate inf")
+    parser.add_argument("--num-prompts-rate", type=int, default=240, help="at a finite rate")
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--kv-gib", type=float, default=20.0, help="KV capacity per server")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.1,
+        help="only vLLM's start-up check of free memory (the KV size is --kv-gib)",
+    )
     parser.add_argument("--kvcore-config", default=None, help="--kvcore-config JSON (on side)")
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--port", type=int, default=8011)
-    parser.add_argument("--start-timeout", type=float, default=300.0)
+    parser.add_argument("--port", type=int, default=8011, help="first server's port")
+    parser.add_argument("--start-timeout", type=float, default=420.0)
     args = parser.parse_args()
-    launches = []
+    if "off" not in args.modes:
+        parser.error("--modes must include off: ratios are to upstream")
+    results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        workdir = Path(tmp)
         for model in args.models:
-            for _ in range(args.repeats):
-                for mode in args.modes:
-                    print(f"{Path(model).name}: {mode} ...", flush=True)
-                    launches.append(run_launch(model, mode, args, workdir))
-                    _write(args, launches)
-        logs = {p.name: p.read_text(errors="replace")[-4000:] for p in workdir.glob("serve-*.log")}
-    _write(args, launches, logs)
-    for row in summarize(launches):
+            results.append(run_model(model, args, Path(tmp)))
+            _write(args, results)
+    for row in summarize(results):
         for mode in args.modes:
             cells = [
                 f"{m} {row[f'{m}_{mode}']:.1f} ({row[f'{m}_{mode}_ratio']:.3f}x)"
                 for m in METRICS
                 if row[f"{m}_{mode}_ratio"] is not None
             ]
+            first = row.get(f"first_output_throughput_{mode}_ratio")
+            cells.append(f"first round {first:.3f}x" if first else "")
             print(f"{row['model']:>12} rate={row['rate']:>4} {mode:>9}: " + "  ".join(cells))
 
 
-def _write(args: Any, launches: list[dict[str, Any]], logs: dict[str, str] | None = None) -> None:
-    doc = {"argv": sys.argv[1:], "launches": launches, "summary": summarize(launches)}
-    if logs:
-        doc["server_log_tails"] = logs
+def _write(args: Any, results: list[dict[str, Any]]) -> None:
+    doc = {"argv": sys.argv[1:], "results": results, "summary": summarize(results)}
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
 
 

@@ -6,6 +6,8 @@ buffer's allocation); what they call is here:
 * ``runtime`` — ``elastic_settings`` (start-up validation, the engine core),
   ``elastic_kv_buffer`` (the worker's KV buffer on a kvcore virtual tensor),
   ``elastic_block_pool_class`` (the scheduler's block pool);
+* ``layouts`` — ``elastic_kv_cache_layouts`` (the engine core resolves a block-outermost KV
+  cache layout);
 * ``warmup`` — ``warmup_blocks`` (the worker's start-up warm-up writes only backed blocks);
 * ``pool`` — ``ElasticBlockPool``, vLLM's own ``BlockPool`` over a kvcore ``BlockLedger``;
 * ``checks`` — which vLLM configurations elastic KV supports.
@@ -13,6 +15,7 @@ buffer's allocation); what they call is here:
 Importing ``runtime`` does not import vLLM; ``pool`` does (it subclasses vLLM's class).
 """
 
+from kvcore.adapters.vllm.layouts import elastic_kv_cache_layouts
 from kvcore.adapters.vllm.runtime import (
     elastic_block_pool_class,
     elastic_kv_buffer,
@@ -24,6 +27,7 @@ from kvcore.adapters.vllm.warmup import warmup_blocks
 __all__ = [
     "elastic_block_pool_class",
     "elastic_kv_buffer",
+    "elastic_kv_cache_layouts",
     "elastic_settings",
     "manager_for",
     "warmup_blocks",

@@ -2,8 +2,8 @@
 
 vLLM 0.33.0 plans one backing allocation for every KV cache group: groups *overlay* each
 other from byte 0 (a block id belongs to one group at a time; one ``BlockPool`` serves them
-all), and in a block-outermost layout (``BLHNC``) block ``b`` of every layer is one row of
-``block_stride`` bytes. That is kvcore's ``compound`` family layout: this module translates
+all), and in a block-outermost layout (``BLNHC``, ``BLHNC``) block ``b`` of every layer is one
+row of ``block_stride`` bytes. That is kvcore's ``compound`` family layout: this module translates
 
 * each ``KVCacheGroupSpec`` into a ``kvcore.families.CacheGroup`` (``kvcore_groups``):
   ``FullAttentionSpec`` (a window without the hybrid manager keeps every block) and
@@ -53,6 +53,10 @@ SUPPORTED_SPECS = ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec",
 """vLLM spec classes (exactly these, not subclasses) kvcore has a layout for."""
 
 _DROP = "serve the model without --kvcore-elastic"
+_BLOCK_OUTERMOST = (
+    "unset VLLM_KV_CACHE_LAYOUT (elastic KV resolves a block-outermost layout itself) or set "
+    "it to a block-outermost one (BLNHC, BLHNC)"
+)
 
 
 def kvcore_groups(kv_cache_groups: Sequence[Any]) -> list[CacheGroup]:
@@ -114,8 +118,11 @@ def _group(gid: int, group: Any) -> CacheGroup:
         return mamba_group(
             layers, states=states, block_size=spec.block_size, cell_stride=spec.page_size_bytes
         )
+    # fp8 per tensor (--kv-cache-dtype fp8) keeps dense K/V pages: its scales are per-layer
+    # tensors outside the KV buffer. Other modes pack scales or several tokens into a page.
+    dense_modes = (iface.KVQuantMode.NONE, iface.KVQuantMode.FP8_PER_TENSOR)
     if (
-        spec.kv_quant_mode != iface.KVQuantMode.NONE
+        spec.kv_quant_mode not in dense_modes
         or spec.num_head_slots is not None
         or spec.state_content_bytes is not None
         or spec.tokens_per_state != 1
@@ -124,7 +131,7 @@ def _group(gid: int, group: Any) -> CacheGroup:
             f"--kvcore-elastic: {where}: {kind.__name__} with a packed or quantized page "
             f"(kv_quant_mode={spec.kv_quant_mode.name}, tokens_per_state="
             f"{spec.tokens_per_state})",
-            hint=f"use an unquantized --kv-cache-dtype, or {_DROP}",
+            hint=f"use --kv-cache-dtype auto or fp8, or {_DROP}",
         )
     common = {"block_size": spec.block_size, "dtype": spec.dtype}
     if kind is iface.MLAAttentionSpec:
@@ -169,14 +176,14 @@ def engine_row_bytes(kv_cache_config: Any) -> int:
                     f"layer-outermost (its layers end at byte {end} of a "
                     f"{t.block_stride}-byte block stride); kvcore backs a block id as one "
                     "row of every layer",
-                    hint="set VLLM_KV_CACHE_LAYOUT to a block-outermost layout (e.g. BLHNC)",
+                    hint=_BLOCK_OUTERMOST,
                 )
         strides = {int(t.block_stride) for t in tensors}
         if len(strides) > 1:
             raise UnsupportedConfiguration(
                 f"--kvcore-elastic: KV cache tensors with block strides {sorted(strides)}; "
                 "groups overlay one row of one stride",
-                hint="set VLLM_KV_CACHE_LAYOUT to a block-outermost layout (e.g. BLHNC)",
+                hint=_BLOCK_OUTERMOST,
             )
         return strides.pop()
     row = 0
@@ -248,7 +255,7 @@ def family_layout(
                 raise UnsupportedConfiguration(
                     f"--kvcore-elastic: vLLM places layer {name!r} at byte {theirs} of its "
                     f"block row, kvcore's layout at {ours}",
-                    hint=f"set VLLM_KV_CACHE_LAYOUT=BLHNC, or {_DROP}",
+                    hint=f"{_BLOCK_OUTERMOST}, or {_DROP}",
                 )
     return layout
 

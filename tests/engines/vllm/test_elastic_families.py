@@ -89,6 +89,7 @@ class Engine:
         granularity: int = GRAN,
         mamba_cache_mode: str = "none",
         elastic: bool = True,
+        layout: str = "BLHNC",
     ) -> None:
         model = ModelConfig(model="facebook/opt-125m", dtype="float16", seed=42, max_model_len=2048)
         sched = SchedulerConfig(
@@ -103,7 +104,7 @@ class Engine:
         sched.disable_hybrid_kv_cache_manager = False  # the hybrid allocator
         cache = CacheConfig(block_size=16, cache_dtype="auto", enable_prefix_caching=caching)
         cache.mamba_cache_mode = mamba_cache_mode  # type: ignore[assignment]
-        cache.kv_cache_layout = "BLHNC"
+        cache.kv_cache_layout = layout
         backend = {"granularity": granularity, "device_bytes": 1 << 30}
         cache.kvcore_elastic = elastic
         cache.kvcore_config = {"backend": "host", "backend_options": backend}
@@ -114,11 +115,11 @@ class Engine:
         groups = planning.get_kv_cache_groups(self.vllm_config, specs)
         self.kv = planning.get_kv_cache_config_from_groups(self.vllm_config, groups, memory_bytes)
         self.planned_stride = self.kv.kv_cache_tensors[0].block_stride
-        self.kv.kv_cache_layout = "BLHNC"
+        self.kv.kv_cache_layout = layout
         if elastic:  # the engine core: validation (and padding) before any worker allocates
             self.kv.kvcore = elastic_settings(self.vllm_config, self.kv)
         # the worker: vLLM's views over kvcore's buffer
-        self.views = allocate_kv_cache(self.kv, torch.device("cpu"), KVCacheLayout.BLHNC)
+        self.views = allocate_kv_cache(self.kv, torch.device("cpu"), KVCacheLayout[layout])
         if elastic:
             self.memory: ElasticKVMemory = manager_for(self.kv)
             _engines.append(self)  # closed after the test even if the scheduler fails to build

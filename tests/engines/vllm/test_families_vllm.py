@@ -167,6 +167,14 @@ SPECS = {
     ),
     "mamba2": mamba2_spec,
     "gdn": gdn_spec,
+    # --kv-cache-dtype fp8: dense fp8 K/V, the scales are per-layer tensors outside the page
+    "fp8-per-tensor": lambda: iface.FullAttentionSpec(
+        block_size=16,
+        num_kv_heads=8,
+        head_size=128,
+        dtype=torch.uint8,
+        kv_quant_mode=iface.KVQuantMode.FP8_PER_TENSOR,
+    ),
 }
 
 
@@ -199,10 +207,10 @@ def test_every_spec_page_size_is_the_kvcore_cell(name: str) -> None:
             num_kv_heads=2,
             head_size=64,
             dtype=torch.uint8,
-            kv_quant_mode=iface.KVQuantMode.FP8_PER_TENSOR,
+            kv_quant_mode=iface.KVQuantMode.INT8_PER_TOKEN_HEAD,
         ),
     ],
-    ids=["cross-attention", "chunked-local", "fp8"],
+    ids=["cross-attention", "chunked-local", "int8-per-token-head"],
 )
 def test_unsupported_specs_are_named(spec: Any) -> None:
     built = spec()

@@ -2,12 +2,14 @@
 
 Each engine runs in its own process (``gpu_generate.py``) over the offline model directory
 of ``benchmarks/offline_model.py`` (``KVCORE_MODEL_DIR``; dummy weights, seeded, so every
-launch has the same weights). Greedy tokens with elastic KV on must equal elastic off's,
-token for token; a tight ``limit_bytes`` that makes requests wait is compared under vLLM's
-batch-invariant mode (``VLLM_BATCH_INVARIANT=1`` on both sides), where a different batch
-composition cannot change a float. The driver's free memory must fall while KV fills, come
-back once requests finish, and all of it once the engine is gone, with the per-GPU ledger
-record removed. Marked ``gpu``: skipped without CUDA, or without the forked vLLM.
+launch has the same weights). Greedy tokens with elastic KV on must equal upstream's, token
+for token, upstream on vLLM's default KV cache layout and elastic KV on the block-outermost
+form it resolves; the engines of those pairs run side by side (``KVCORE_GPU_PARALLEL``). A
+tight ``limit_bytes`` that makes requests wait is compared under vLLM's batch-invariant mode
+(``VLLM_BATCH_INVARIANT=1`` on both sides), where a different batch composition cannot
+change a float. The driver's free memory must fall while KV fills, come back once requests
+finish, and all of it once the engine is gone, with the per-GPU ledger record removed; those
+engines run alone. Marked ``gpu``: skipped without CUDA, or without the forked vLLM.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +30,10 @@ pytestmark = pytest.mark.gpu
 HERE = Path(__file__).parent
 MODEL = os.environ.get("KVCORE_MODEL_DIR", "")
 MiB = 1 << 20
-LAYOUT = {"VLLM_KV_CACHE_LAYOUT": "BLHNC"}
-"""Both sides run the block-outermost layout elastic KV needs, so only elastic differs."""
+PARALLEL = max(1, int(os.environ.get("KVCORE_GPU_PARALLEL", "4")))
+"""Engines of the token-identity pairs run this many at a time, each planning with a share
+of the device (``PAIR_UTILIZATION``) so that they fit side by side."""
+PAIR_UTILIZATION = str(round(min(0.2, 0.8 / PARALLEL), 3))
 
 
 def _needs() -> str | None:
@@ -55,28 +61,57 @@ def _free() -> int:
     return int(torch.cuda.mem_get_info()[0])
 
 
-def generate(*flags: str, env: dict[str, str] | None = None, timeout: int = 420) -> dict[str, Any]:
-    """Run one engine; its report, plus the free memory seen from here around it."""
-    before = _free()
+def run_engine(*flags: str, env: dict[str, str] | None = None, timeout: int = 480) -> Any:
+    """Run one engine; its report, or the tail of its output (a ``str``) when it failed.
+
+    Each engine compiles into a cache directory of its own (``VLLM_CACHE_ROOT``), so engines
+    running side by side never share one; the report keeps the engine's output
+    (``"output"``), where vLLM names the KV cache layout it resolved."""
     cmd = [sys.executable, str(HERE / "gpu_generate.py"), "--model", MODEL, *flags]
-    proc = subprocess.run(
-        cmd,
-        env={**os.environ, **LAYOUT, "VLLM_TARGET_DEVICE": "cuda", **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    with tempfile.TemporaryDirectory(prefix="kvcore-vllm-cache-") as cache:
+        proc = subprocess.run(
+            cmd,
+            env={
+                **os.environ,
+                "VLLM_TARGET_DEVICE": "cuda",
+                "VLLM_CACHE_ROOT": cache,
+                **(env or {}),
+            },
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    output = proc.stdout + proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVCORE-REPORT ")]
     if proc.returncode != 0 or not lines:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
-        pytest.fail(f"{' '.join(flags)}: exit {proc.returncode}\n{tail}")
+        tail = "\n".join(output.splitlines()[-60:])
+        return f"{' '.join(flags)}: exit {proc.returncode}\n{tail}"
     report = json.loads(lines[-1].removeprefix("KVCORE-REPORT "))
-    report["free_before"], report["free_after"] = before, _free()
     out = os.environ.get("KVCORE_GPU_REPORTS")
     if out:  # the device run keeps every report for docs/results
         with open(out, "a") as f:
             f.write(json.dumps({"flags": flags, "env": env or {}, **report}) + "\n")
+    report["output"] = output
     return report
+
+
+def generate(*flags: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """One engine alone on the GPU; its report, plus the free memory seen from here around
+    it. Fails the test when the engine failed."""
+    before = _free()
+    report = run_engine(*flags, env=env)
+    if isinstance(report, str):
+        pytest.fail(report)
+    report["free_before"], report["free_after"] = before, _free()
+    return report
+
+
+def resolved_layout(report: dict[str, Any]) -> str:
+    """The KV cache layout vLLM's engine core resolved (its ``Using X KV cache layout.``)."""
+    found = {w for ln in report["output"].splitlines() if "KV cache layout." in ln
+             for w in ln.split() if w.isupper() and len(w) == 5}  # fmt: skip
+    assert len(found) == 1, f"no single resolved KV cache layout in the log: {found}"
+    return found.pop()
 
 
 def assert_same_tokens(off: dict[str, Any], on: dict[str, Any]) -> None:
@@ -88,24 +123,50 @@ def assert_same_tokens(off: dict[str, Any], on: dict[str, Any]) -> None:
     assert all(len(t) == 48 for t in on["tokens"])
 
 
-@pytest.mark.parametrize(
-    ("mode", "env"),
-    [
-        pytest.param((), {}, id="v2-compiled-flash-attn"),
-        pytest.param(("--enforce-eager",), {}, id="v2-eager-flash-attn"),
-        pytest.param(
-            ("--enforce-eager", "--attention-backend", "TRITON_ATTN"), {}, id="v2-eager-triton"
-        ),
-        pytest.param(
-            ("--enforce-eager",), {"VLLM_USE_V2_MODEL_RUNNER": "0"}, id="v1-eager-flash-attn"
-        ),
-    ],
-)
-def test_elastic_tokens_equal_upstream(mode: tuple[str, ...], env: dict[str, str]) -> None:
-    """Start-up (warm-up, CUDA graphs where compiled), prefix-cache hits and chunked
-    prefill of long prompts: greedy tokens identical with elastic KV on and off."""
-    off = generate(*mode, env=env)
-    on = generate(*mode, "--elastic", env=env)
+PAIRS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "v2-compiled-flash-attn": ((), {}),
+    "v2-eager-flash-attn": (("--enforce-eager",), {}),
+    "v2-compiled-triton": (("--attention-backend", "TRITON_ATTN"), {}),
+    "v2-eager-triton": (("--enforce-eager", "--attention-backend", "TRITON_ATTN"), {}),
+    "v1-eager-flash-attn": (("--enforce-eager",), {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
+    "v2-compiled-flash-attn-fp8": (("--kv-cache-dtype", "fp8"), {}),
+}
+"""Engine configurations compared elastic on vs off: model runner (V2, V1), attention backend,
+torch.compile + CUDA graphs or eager, KV cache dtype. Async scheduling, prefix caching and
+chunked prefill are vLLM's defaults in all of them."""
+
+
+@pytest.fixture(scope="module")
+def pair_reports(request: pytest.FixtureRequest) -> dict[tuple[str, bool], Any]:
+    """Every selected pair's two engines, ``PARALLEL`` at a time: ``(pair, elastic)`` ->
+    report (or failure text)."""
+    wanted = [
+        item.callspec.id
+        for item in request.session.items
+        if getattr(item, "originalname", "") == "test_elastic_tokens_equal_upstream"
+    ]
+    jobs = [(pair, elastic) for pair in wanted for elastic in (False, True)]
+
+    def one(job: tuple[str, bool]) -> Any:
+        flags, env = PAIRS[job[0]]
+        side = ("--elastic",) if job[1] else ()
+        return run_engine(*flags, "--gpu-memory-utilization", PAIR_UTILIZATION, *side, env=env)
+
+    with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+        return dict(zip(jobs, pool.map(one, jobs), strict=True))
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_elastic_tokens_equal_upstream(pair: str, pair_reports: dict[Any, Any]) -> None:
+    """Start-up (warm-up, CUDA graphs where compiled), prefix-cache hits and chunked prefill
+    of long prompts: greedy tokens with elastic KV on equal upstream's, token for token.
+    Upstream runs vLLM's default KV cache layout (LBNHC); elastic KV resolves its
+    block-outermost form (BLNHC) without ``VLLM_KV_CACHE_LAYOUT``."""
+    off, on = pair_reports[(pair, False)], pair_reports[(pair, True)]
+    for report in (off, on):
+        if isinstance(report, str):
+            pytest.fail(report)
+    assert (resolved_layout(off), resolved_layout(on)) == ("LBNHC", "BLNHC")
     assert_same_tokens(off, on)
 
 
