@@ -182,10 +182,14 @@ def _bench(model: str, port: int, rate: str, seed: int, args: Any) -> dict[str, 
     return {k: data.get(k) for k in (*METRICS, "completed", "num_prompts", "duration")}
 
 
-def run_model(model: str, args: Any, workdir: Path) -> dict[str, Any]:
+def run_model(model: str, args: Any, workdir: Path, results: list[dict[str, Any]]) -> None:
+    """Serve ``model`` in every mode and load it; its result joins ``results``, which is
+    written to ``--out`` after every client run (a run cut short keeps what it measured)."""
     servers = [Server(model, m, args.port + i, args, workdir) for i, m in enumerate(args.modes)]
     sampler = MemorySampler({s.proc.pid: s.mode for s in servers})
     runs: list[dict[str, Any]] = []
+    result: dict[str, Any] = {"model": Path(model).name, "modes": list(args.modes), "runs": runs}
+    results.append(result)
     try:
         deadline = time.monotonic() + args.start_timeout
         while not all(s.ready() for s in servers):
@@ -202,6 +206,7 @@ def run_model(model: str, args: Any, workdir: Path) -> dict[str, Any]:
                     sampler.phase = f"{s.mode} rate={rate} round={r}"
                     got = _bench(model, s.port, rate, seed=r, args=args)
                     runs.append({"mode": s.mode, "rate": rate, "round": r, **got})
+                    _write(args, results)
                     sampler.phase = "idle"
                     print(f"  round {r} rate {rate:>4} {s.mode:>9}: "
                           f"{got['output_throughput']:.0f} tok/s, "
@@ -212,15 +217,10 @@ def run_model(model: str, args: Any, workdir: Path) -> dict[str, Any]:
             s.stop()
         sampler.phase = "stopped"
         time.sleep(3.0)
-        series = sampler.close()
-    return {
-        "model": Path(model).name,
-        "modes": list(args.modes),
-        "start_s": {s.mode: s.start_s for s in servers},
-        "runs": runs,
-        "memory": series,
-        "logs": {s.mode: s.log_path.read_text(errors="replace")[-4000:] for s in servers},
-    }
+        result["memory"] = sampler.close()
+        result["start_s"] = {s.mode: s.start_s for s in servers}
+        result["logs"] = {s.mode: s.log_path.read_text(errors="replace")[-4000:] for s in servers}
+        _write(args, results)
 
 
 def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -275,8 +275,7 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
-            results.append(run_model(model, args, Path(tmp)))
-            _write(args, results)
+            run_model(model, args, Path(tmp), results)
     for row in summarize(results):
         for mode in args.modes:
             cells = [

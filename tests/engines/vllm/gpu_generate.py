@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--no-async-scheduling", action="store_true")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
@@ -68,6 +69,8 @@ def main() -> None:
         kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=not args.no_prefix_caching,
     )
+    if args.kv_cache_memory_bytes:  # a fixed KV size: vLLM skips its memory profiling
+        kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     if args.attention_backend:
         kwargs["attention_backend"] = args.attention_backend
     if args.no_async_scheduling:

@@ -31,9 +31,12 @@ HERE = Path(__file__).parent
 MODEL = os.environ.get("KVCORE_MODEL_DIR", "")
 MiB = 1 << 20
 PARALLEL = max(1, int(os.environ.get("KVCORE_GPU_PARALLEL", "4")))
-"""Engines of the token-identity pairs run this many at a time, each planning with a share
-of the device (``PAIR_UTILIZATION``) so that they fit side by side."""
+"""Engines of the token-identity pairs run this many at a time, side by side: each with a
+fixed KV size (``--kv-cache-memory-bytes``, so vLLM's memory profiling, which fails when
+another process frees memory meanwhile, is skipped) and a share of the device for vLLM's
+start-up check of free memory (``PAIR_UTILIZATION``)."""
 PAIR_UTILIZATION = str(round(min(0.2, 0.8 / PARALLEL), 3))
+PAIR_KV_BYTES = str(4 << 30)  # the prompt mix peaks near 12,000 tokens (1.3 GiB here)
 
 
 def _needs() -> str | None:
@@ -69,18 +72,21 @@ def run_engine(*flags: str, env: dict[str, str] | None = None, timeout: int = 48
     (``"output"``), where vLLM names the KV cache layout it resolved."""
     cmd = [sys.executable, str(HERE / "gpu_generate.py"), "--model", MODEL, *flags]
     with tempfile.TemporaryDirectory(prefix="kvcore-vllm-cache-") as cache:
-        proc = subprocess.run(
-            cmd,
-            env={
-                **os.environ,
-                "VLLM_TARGET_DEVICE": "cuda",
-                "VLLM_CACHE_ROOT": cache,
-                **(env or {}),
-            },
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        try:
+            proc = subprocess.run(
+                cmd,
+                env={
+                    **os.environ,
+                    "VLLM_TARGET_DEVICE": "cuda",
+                    "VLLM_CACHE_ROOT": cache,
+                    **(env or {}),
+                },
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired as exc:
+            return f"{' '.join(flags)}: no report after {exc.timeout} s"
     output = proc.stdout + proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVCORE-REPORT ")]
     if proc.returncode != 0 or not lines:
@@ -150,12 +156,15 @@ def pair_reports(request: pytest.FixtureRequest) -> dict[tuple[str, bool], Any]:
     def one(job: tuple[str, bool]) -> Any:
         flags, env = PAIRS[job[0]]
         side = ("--elastic",) if job[1] else ()
-        return run_engine(*flags, "--gpu-memory-utilization", PAIR_UTILIZATION, *side, env=env)
+        sizes = ("--gpu-memory-utilization", PAIR_UTILIZATION, "--kv-cache-memory-bytes",
+                 PAIR_KV_BYTES)  # fmt: skip
+        return run_engine(*flags, *sizes, *side, env=env)
 
     with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
         return dict(zip(jobs, pool.map(one, jobs), strict=True))
 
 
+@pytest.mark.timeout(1800)  # the first test's set-up runs every selected pair's engines
 @pytest.mark.parametrize("pair", list(PAIRS))
 def test_elastic_tokens_equal_upstream(pair: str, pair_reports: dict[Any, Any]) -> None:
     """Start-up (warm-up, CUDA graphs where compiled), prefix-cache hits and chunked prefill
@@ -170,6 +179,7 @@ def test_elastic_tokens_equal_upstream(pair: str, pair_reports: dict[Any, Any]) 
     assert_same_tokens(off, on)
 
 
+@pytest.mark.timeout(1000)
 def test_tight_limit_waits_and_matches_batch_invariant() -> None:
     """A 512 MiB KV limit (about 4,700 tokens of this shape) cannot hold the first wave's
     ~14,000 prompt tokens at once: requests wait or are preempted, all finish, and with
@@ -184,6 +194,7 @@ def test_tight_limit_waits_and_matches_batch_invariant() -> None:
     assert held <= 512 * MiB + 256 * MiB, f"{held >> 20} MiB mapped under a 512 MiB limit"
 
 
+@pytest.mark.timeout(600)
 def test_memory_follows_the_load_and_returns(tmp_path: Path) -> None:
     """Free device memory falls while KV fills, returns when requests finish (less the
     pages still held for reuse), and returns whole when the engine is gone; the per-GPU
