@@ -8,8 +8,9 @@ servers hold memory but no compute and the rounds can interleave:
 * ``off``: upstream code, vLLM's default layout (LBNHC with FLASH_ATTN and TRITON_ATTN);
 * ``off-blnhc`` / ``off-blhnc``: upstream code on a block-outermost layout
   (``VLLM_KV_CACHE_LAYOUT``), what the layout alone costs;
-* ``on``: ``--kvcore-elastic``, on the layout it resolves (the block-outermost form of
-  vLLM's choice, BLNHC); ``on-blhnc``: elastic KV on BLHNC.
+* ``on``: ``--kvcore-elastic`` on the layout it resolves (BLNHC, the block-outermost form of
+  vLLM's choice: one row of every layer per block id); ``on-lbnhc``: elastic KV on vLLM's
+  own LBNHC (kvcore's per-layer ranges); ``on-blhnc``: elastic KV on BLHNC.
 
 Then ``--repeats`` rounds: in each, every rate of ``--rates`` is sent to every server in turn
 (the order rotates between rounds) by vLLM's own benchmark client (``vllm bench serve``'s
@@ -52,6 +53,7 @@ MODES: dict[str, tuple[bool, str | None]] = {
     "off-blnhc": (False, "BLNHC"),
     "off-blhnc": (False, "BLHNC"),
     "on": (True, None),
+    "on-lbnhc": (True, "LBNHC"),
     "on-blhnc": (True, "BLHNC"),
 }
 """Mode -> (elastic KV, ``VLLM_KV_CACHE_LAYOUT`` or None for the engine's own choice)."""

@@ -104,7 +104,10 @@ class VirtualKVCache:
     page (default ``default_zero_page_bytes(page_bytes, granularity)``, one granule with
     ``sanity``, whose check reads all of it before every transition; module docstring).
     Construction maps the zero page everywhere; ``close()`` unmaps it and frees the ranges
-    (a ``LocalPageMapper`` on the cache must be closed first). Raises ``VmmError`` (nothing
+    (a ``LocalPageMapper`` on the cache must be closed first). ``contiguous`` (per-layer
+    only): the ranges are carved back to back out of one reservation, range ``i`` at
+    ``i * range_bytes``, so that ``flat()`` spans them all (an engine that views one buffer
+    per layer region, as vLLM's layer-outermost layouts do). Raises ``VmmError`` (nothing
     left reserved) if the backend refuses, ``GeometryError`` for sizes that do not tile.
     """
 
@@ -116,6 +119,7 @@ class VirtualKVCache:
         dtype: torch.dtype = torch.uint8,
         sanity: bool = False,
         zero_page_bytes: int | None = None,
+        contiguous: bool = False,
     ) -> None:
         gran = backend.granularity()
         if geometry.page_bytes % gran:
@@ -151,9 +155,14 @@ class VirtualKVCache:
         self._reserved: list[tuple[int, int]] = []  # everything to free at close
         reserved = self._reserved
         try:
-            for _ in range(n_ranges):
-                reserved.append((backend.reserve(size), size))
-            self.ranges = tuple(reserved)
+            if contiguous and n_ranges > 1:
+                whole = backend.reserve(size * n_ranges)
+                reserved.append((whole, size * n_ranges))
+                self.ranges = tuple((whole + i * size, size) for i in range(n_ranges))
+            else:
+                for _ in range(n_ranges):
+                    reserved.append((backend.reserve(size), size))
+                self.ranges = tuple(reserved)
             zb = zero_page_bytes
             self._probe_va = backend.reserve(zb)
             reserved.append((self._probe_va, zb))
@@ -164,7 +173,7 @@ class VirtualKVCache:
             backend.as_tensor(self._probe_va, zb, torch.uint8).zero_()
             backend.synchronize()
             backend.set_access(self._probe_va, zb, writable=sanity)
-            for va, sz in reserved[:-1]:
+            for va, sz in self.ranges:
                 self._map_zero_range(va, sz)
         except BaseException:
             try:
@@ -252,6 +261,26 @@ class VirtualKVCache:
             stride = g.page_block_bytes // item
             offset = (layer * g.kv_buffers + buffer) * g.block_bytes // item
         return base.as_strided((g.num_blocks, *shape), (stride, *inner), offset)
+
+    def flat(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """Every range as one 1-D tensor of ``dtype`` (stable address, unbacked pages read as
+        zeros): the compound range, or per-layer ranges reserved ``contiguous``. Raises
+        ``GeometryError`` for per-layer ranges reserved apart."""
+        self._check_open()
+        va, size = self.ranges[0]
+        for nxt, sz in self.ranges[1:]:
+            if nxt != va + size:
+                raise GeometryError(
+                    "flat(): the per-layer ranges of this cache are not contiguous",
+                    hint="build the VirtualKVCache with contiguous=True",
+                )
+            size += sz
+        key = (-1, dtype)  # not a range index: the whole span
+        base = self._bases.get(key)
+        if base is None:
+            base = self.backend.as_tensor(self.ranges[0][0], size, dtype)
+            self._bases[key] = base
+        return base
 
     def _base(self, index: int, dtype: torch.dtype) -> torch.Tensor:
         key = (index, dtype)

@@ -202,6 +202,38 @@ def test_compound_views_stride_over_the_layers(vmm: FaultInjector) -> None:
         c.close()
 
 
+def test_contiguous_per_layer_ranges_are_one_flat_buffer(vmm: FaultInjector) -> None:
+    """``contiguous=True``: range ``i`` starts where range ``i - 1`` ends, and ``flat()`` is
+    one tensor over all of them (how vLLM views a layer-outermost buffer); a block written
+    through a layer's view is at ``i * range_bytes + block * block_bytes`` of it."""
+    g = geometry(vmm, "per-layer")
+    c = VirtualKVCache(vmm, g, dtype=torch.float32, contiguous=True)
+    m = LocalPageMapper(c)
+    try:
+        starts = [va for va, _ in c.ranges]
+        assert starts == [starts[0] + i * g.range_bytes for i in range(LAYERS * BUFFERS)]
+        flat = c.flat(torch.uint8)
+        assert flat.data_ptr() == starts[0] and flat.numel() == LAYERS * BUFFERS * g.range_bytes
+        m.map([1])
+        block = g.blocks_of(1)[2]
+        fill_block(c, 1, 0, block, 3.0)
+        start = (1 * BUFFERS + 0) * g.range_bytes + block * g.block_bytes
+        got = flat[start : start + g.block_bytes].cpu().view(torch.float32)
+        assert torch.equal(got, torch.full_like(got, 3.0))
+        floats = c.flat(torch.float32).cpu()
+        assert int(floats.count_nonzero()) == g.block_bytes // 4  # nowhere else
+    finally:
+        m.close()
+        c.close()
+    assert vmm.live_handles == set() and vmm.mapped_ranges() == []
+    apart = VirtualKVCache(vmm, g)
+    try:
+        with pytest.raises(GeometryError, match="contiguous"):
+            apart.flat()
+    finally:
+        apart.close()
+
+
 def test_view_shape_must_cover_a_block(cache: VirtualKVCache) -> None:
     with pytest.raises(Exception, match="block_bytes"):
         cache.view(0, 0, dtype=torch.float32, block_shape=(3,))

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcore.adapters.vllm.groups import engine_row_bytes, family_layout, kvcore_groups
+from kvcore.adapters.vllm.groups import (
+    engine_layout,
+    engine_row_bytes,
+    family_layout,
+    kvcore_groups,
+)
 from kvcore.errors import UnsupportedConfiguration
 
 __all__ = ["check_kv_cache_config", "check_vllm_config"]
@@ -37,6 +42,12 @@ def check_vllm_config(vllm_config: Any, kv_cache_config: Any) -> None:
             f"nnodes={getattr(parallel, 'nnodes', 1)}): kvcore's worker channel is local",
             hint="add --distributed-executor-backend mp on a single node",
         )
+    if ranks > 1 and engine_layout(kv_cache_config) == "per-layer":
+        raise UnsupportedConfiguration(
+            f"--kvcore-elastic: TP x PP = {ranks} with a layer-outermost KV cache layout: "
+            "kvcore's worker channel serves block-outermost rows only",
+            hint="unset VLLM_KV_CACHE_LAYOUT (elastic KV then resolves BLNHC) or set BLNHC",
+        )
     # async scheduling is supported: freed pages wait behind fence.StepFence
     if vllm_config.kv_transfer_config is not None:
         raise UnsupportedConfiguration(
@@ -50,10 +61,14 @@ def check_vllm_config(vllm_config: Any, kv_cache_config: Any) -> None:
 def check_kv_cache_config(kv_cache_config: Any) -> None:
     """The part of ``check_vllm_config`` that reads only the ``KVCacheConfig``: every group
     has a kvcore layout (``groups.SUPPORTED_SPECS``: full attention, sliding window, MLA,
-    Mamba, any mix of them) and the tensors place one block-outermost row per block id, each
-    layer where kvcore's layout puts it. Page sizes are not checked here (they depend on the
-    worker's backend; ``runtime.elastic_settings`` pads the row when needed)."""
+    Mamba, any mix of them) and the tensors place each layer where kvcore's layout puts it
+    (one block-outermost row per block id, or one region per layer: ``groups.engine_layout``).
+    Page sizes are not checked here (they depend on the worker's backend;
+    ``runtime.elastic_settings`` pads the row when needed)."""
     kvcore_groups(kv_cache_config.kv_cache_groups)  # first: names a spec without a layout
-    row = engine_row_bytes(kv_cache_config)
+    if engine_layout(kv_cache_config) == "per-layer":  # kvcore's row is one layer's cell
+        row = int(kv_cache_config.kv_cache_tensors[0].block_stride)
+    else:
+        row = engine_row_bytes(kv_cache_config)
     # layouts and placements only: pages are planned per backend later (granularity = row)
     family_layout(kv_cache_config, granularity=row, pad=True, max_page_bytes=row)

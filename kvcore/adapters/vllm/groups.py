@@ -2,8 +2,13 @@
 
 vLLM 0.33.0 plans one backing allocation for every KV cache group: groups *overlay* each
 other from byte 0 (a block id belongs to one group at a time; one ``BlockPool`` serves them
-all), and in a block-outermost layout (``BLNHC``, ``BLHNC``) block ``b`` of every layer is one
-row of ``block_stride`` bytes. That is kvcore's ``compound`` family layout: this module translates
+all). In a block-outermost layout (``BLNHC``, ``BLHNC``) block ``b`` of every layer is one
+row of ``block_stride`` bytes: kvcore's ``compound`` family layout. In a layer-outermost
+layout (``LBNHC``, vLLM's default for FLASH_ATTN and TRITON_ATTN; ``LBHNC``) layer ``i`` of
+every group is a region of its own at ``i * layer_stride``, ``num_blocks`` cells of
+``block_stride`` bytes: kvcore's ``per-layer`` layout (one handle per layer and page id),
+whose regions are one contiguous reservation (``VirtualKVCache(contiguous=True)``). This
+module translates
 
 * each ``KVCacheGroupSpec`` into a ``kvcore.families.CacheGroup`` (``kvcore_groups``):
   ``FullAttentionSpec`` (a window without the hybrid manager keeps every block) and
@@ -17,7 +22,8 @@ row of ``block_stride`` bytes. That is kvcore's ``compound`` family layout: this
   page of at most ``max_page_bytes`` exactly (61 DeepSeek MLA layers x 64 tokens x 1152
   bytes = 4497408 bytes would need a 1.07 GiB page), the engine core re-strides the tensors
   to kvcore's padded stride before any worker allocates, as vLLM's own
-  ``block_stride_alignment`` would.
+  ``block_stride_alignment`` would; in a layer-outermost layout it trims ``num_blocks`` to
+  whole pages instead, so that each layer's region ends where kvcore's next one begins.
 
 Everything vLLM's hybrid allocator needs beyond bytes stays vLLM's: prefix-cache keys carry
 the group id (``BlockHashWithGroupId``), each group's ``SingleTypeKVCacheManager`` decides
@@ -46,8 +52,16 @@ from kvcore.families import (
     mla_group,
     plan_rows,
 )
+from kvcore.geometry import Layout
 
-__all__ = ["SUPPORTED_SPECS", "engine_row_bytes", "family_layout", "kvcore_groups", "pad_for_pages"]
+__all__ = [
+    "SUPPORTED_SPECS",
+    "engine_layout",
+    "engine_row_bytes",
+    "family_layout",
+    "kvcore_groups",
+    "pad_for_pages",
+]
 
 SUPPORTED_SPECS = ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec", "MambaSpec")
 """vLLM spec classes (exactly these, not subclasses) kvcore has a layout for."""
@@ -156,36 +170,54 @@ def _group(gid: int, group: Any) -> CacheGroup:
     )
 
 
-def engine_row_bytes(kv_cache_config: Any) -> int:
-    """Bytes one block id spans in vLLM's KV buffer: the block stride of its block-outermost
-    tensors; for a config without tensors (a scheduler-only process, vLLM's own scheduler
-    tests) what vLLM's planner would make of the groups: the widest group's pages, rounded
-    up to every spec's ``block_stride_alignment``.
+def engine_layout(kv_cache_config: Any) -> Layout:
+    """Which kvcore layout backs ``kv_cache_config``'s tensors: ``compound`` for a
+    block-outermost layout (every tensor's layers end inside one block stride) and for a
+    config without tensors (a scheduler-only process), ``per-layer`` for a layer-outermost
+    one (every tensor at offset 0, its layers ``num_blocks * block_stride`` apart: the
+    regions kvcore's per-layer ranges are).
 
-    Raises ``UnsupportedConfiguration`` for a layer-outermost layout (each layer's blocks in
-    a region of its own: a block id is then not one row kvcore can back with one page) or
-    tensors of different block strides."""
+    Raises ``UnsupportedConfiguration`` for tensors of both kinds, tensors of different block
+    strides, and layer-outermost tensors placed otherwise."""
     tensors = kv_cache_config.kv_cache_tensors
-    if tensors:
-        for t in tensors:
-            # block-outermost: the tensor's layers (one page apart) end inside the row
-            end = int(t.offset) + len(t.layers) * int(t.layer_stride)
-            if end > int(t.block_stride):
-                raise UnsupportedConfiguration(
-                    f"--kvcore-elastic: KV cache tensor of layers {t.layers[:2]} is "
-                    f"layer-outermost (its layers end at byte {end} of a "
-                    f"{t.block_stride}-byte block stride); kvcore backs a block id as one "
-                    "row of every layer",
-                    hint=_BLOCK_OUTERMOST,
-                )
-        strides = {int(t.block_stride) for t in tensors}
-        if len(strides) > 1:
+    if not tensors:
+        return "compound"
+    strides = {int(t.block_stride) for t in tensors}
+    if len(strides) > 1:
+        raise UnsupportedConfiguration(
+            f"--kvcore-elastic: KV cache tensors with block strides {sorted(strides)}; "
+            "groups overlay one row of one stride",
+            hint=_BLOCK_OUTERMOST,
+        )
+    stride = strides.pop()
+    outer = {int(t.offset) + len(t.layers) * int(t.layer_stride) > stride for t in tensors}
+    if outer == {False}:
+        return "compound"
+    region = int(kv_cache_config.num_blocks) * stride
+    for t in tensors:
+        if int(t.offset) != 0 or int(t.layer_stride) != region:
             raise UnsupportedConfiguration(
-                f"--kvcore-elastic: KV cache tensors with block strides {sorted(strides)}; "
-                "groups overlay one row of one stride",
+                f"--kvcore-elastic: KV cache tensor of layers {t.layers[:2]} is neither "
+                f"block-outermost nor layer-outermost with layers {region} bytes apart "
+                f"(offset {t.offset}, layer stride {t.layer_stride}, block stride {stride})",
                 hint=_BLOCK_OUTERMOST,
             )
-        return strides.pop()
+    return "per-layer"
+
+
+def engine_row_bytes(kv_cache_config: Any) -> int:
+    """Bytes one block id spans in vLLM's KV buffer, over every layer: the block stride of
+    its block-outermost tensors, or the most layers a tensor holds times the cell stride of
+    layer-outermost ones (``engine_layout``); for a config without tensors (a scheduler-only
+    process, vLLM's own scheduler tests) what vLLM's planner would make of the groups: the
+    widest group's pages, rounded up to every spec's ``block_stride_alignment``.
+
+    Raises ``UnsupportedConfiguration`` as ``engine_layout`` does."""
+    tensors = kv_cache_config.kv_cache_tensors
+    if tensors:
+        layout = engine_layout(kv_cache_config)
+        stride = int(tensors[0].block_stride)
+        return stride * max(len(t.layers) for t in tensors) if layout == "per-layer" else stride
     row = 0
     align = 1
     for group in kv_cache_config.kv_cache_groups:
@@ -212,9 +244,10 @@ def family_layout(
     pad: bool = False,
     max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
 ) -> FamilyLayout:
-    """The compound ``FamilyLayout`` of ``kv_cache_config`` on pages of ``granularity``:
-    one row per block id, ``engine_row_bytes`` wide, every group's layer ``i`` at the offset
-    vLLM placed it (checked against ``kv_cache_tensors``).
+    """The ``FamilyLayout`` of ``kv_cache_config`` on pages of ``granularity``, in the kind
+    ``engine_layout`` names: compound (one row per block id, ``engine_row_bytes`` wide) or
+    per-layer (one range per layer, a row is one cell), every group's layer ``i`` at the
+    byte vLLM placed it (checked against ``kv_cache_tensors``).
 
     ``pad=False`` (a config whose tensors vLLM's workers view) raises ``GeometryError`` when
     the row tiles no page of at most ``max_page_bytes`` exactly; its hint names the padded
@@ -229,8 +262,14 @@ def family_layout(
             "no KV memory to make elastic",
             hint=_DROP,
         )
-    row = engine_row_bytes(kv_cache_config)
-    need = max(g.row_offsets()[0] for g in groups)
+    layout_kind = engine_layout(kv_cache_config)
+    tensors = kv_cache_config.kv_cache_tensors
+    if layout_kind == "per-layer":
+        row = int(tensors[0].block_stride)  # one layer's cell: kvcore's per-layer row
+        need = max(g.stride for g in groups)
+    else:
+        row = engine_row_bytes(kv_cache_config)
+        need = max(g.row_offsets()[0] for g in groups)
     if row < need:
         raise UnsupportedConfiguration(
             f"--kvcore-elastic: vLLM's block row is {row} bytes, the groups' pages need "
@@ -241,15 +280,17 @@ def family_layout(
         groups,
         num_blocks=int(kv_cache_config.num_blocks),
         granularity=granularity,
+        layout=layout_kind,
         pad=pad,
         max_page_bytes=max_page_bytes,
         page_bytes=page_bytes,
         row_bytes=row,
     )
-    for t in kv_cache_config.kv_cache_tensors:
+    part_bytes = layout.geometry.range_bytes  # per-layer: part i's range begins at i * this
+    for t in tensors:
         for i, name in enumerate(t.layers):
-            first = layout.groups[layout.group_of(name)].cell[0].role
-            ours = layout.place(name, first).offset
+            first = layout.place(name, layout.groups[layout.group_of(name)].cell[0].role)
+            ours = first.part * part_bytes + first.offset
             theirs = int(t.offset) + i * int(t.layer_stride)
             if ours != theirs:
                 raise UnsupportedConfiguration(
@@ -279,6 +320,9 @@ def pad_for_pages(
     tensors = kv_cache_config.kv_cache_tensors
     if not tensors:
         return None
+    if engine_layout(kv_cache_config) == "per-layer":
+        _whole_pages_per_layer(kv_cache_config, granularity, page_bytes, max_page_bytes)
+        return None
     row = engine_row_bytes(kv_cache_config)
     plan = plan_rows(row, granularity, max_page_bytes=max_page_bytes, page_bytes=page_bytes)
     if plan.row_stride == row:
@@ -291,3 +335,37 @@ def pad_for_pages(
     ]
     kv_cache_config.num_blocks = num_blocks
     return plan.row_stride
+
+
+def _whole_pages_per_layer(
+    kv_cache_config: Any, granularity: int, page_bytes: int | None, max_page_bytes: int
+) -> None:
+    """A layer-outermost config: trim ``num_blocks`` in place to whole pages, so that each
+    layer's region (``num_blocks`` cells) is exactly kvcore's per-layer range and layer
+    ``i + 1`` begins where kvcore's range ``i + 1`` does. A cell that tiles no page would
+    need a padded block stride inside every layer region; that is refused."""
+    tensors = kv_cache_config.kv_cache_tensors
+    cell = int(tensors[0].block_stride)
+    plan = plan_rows(cell, granularity, max_page_bytes=max_page_bytes, page_bytes=page_bytes)
+    if plan.row_stride != cell:
+        raise UnsupportedConfiguration(
+            f"--kvcore-elastic: a {cell}-byte KV cache block tiles no page of at most "
+            f"{max_page_bytes} bytes in a layer-outermost layout",
+            hint="set VLLM_KV_CACHE_LAYOUT=BLNHC (kvcore pads a block-outermost row instead)",
+        )
+    per_page = plan.page_bytes // cell
+    num_blocks = int(kv_cache_config.num_blocks) // per_page * per_page
+    if num_blocks == int(kv_cache_config.num_blocks):
+        return
+    if num_blocks == 0:
+        raise UnsupportedConfiguration(
+            f"--kvcore-elastic: {kv_cache_config.num_blocks} KV cache blocks are less than "
+            f"one {plan.page_bytes}-byte page per layer",
+            hint="give the KV cache more memory (--gpu-memory-utilization or "
+            "--kv-cache-memory-bytes)",
+        )
+    region = num_blocks * cell
+    kv_cache_config.kv_cache_tensors = [
+        dataclasses.replace(t, layer_stride=region, size=len(t.layers) * region) for t in tensors
+    ]
+    kv_cache_config.num_blocks = num_blocks

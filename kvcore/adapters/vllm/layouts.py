@@ -4,16 +4,21 @@ vLLM names a KV cache layout by the physical order of the logical axes ``[L, B, 
 (layer, block, head, token slot, content: ``vllm/v1/kv_cache_layout.py``) and resolves one
 layout per engine in the engine core, from the lists of layouts each worker's attention
 backends support, most preferred first. FLASH_ATTN and TRITON_ATTN declare no preference, so
-vLLM takes ``LBNHC``: layer-outermost, each layer's blocks in a region of its own.
+vLLM takes ``LBNHC``: layer-outermost, each layer's blocks in a region of their own.
 
-kvcore backs a block id as one row of every layer (``groups.engine_row_bytes``), so elastic KV
-needs ``B`` outermost. ``elastic_kv_cache_layouts`` is called by the engine core (patch
-``v1/engine: elastic KV resolves a block-outermost KV cache layout``) on those lists, before
-``resolve_kv_cache_layout``: it replaces each layout by its block-outermost form (``B``
-moved to the front: ``LBNHC`` -> ``BLNHC``, ``LBHNC`` -> ``BLHNC``) where the backends support
-that form, in the backends' order. vLLM then resolves the block-outermost form of what it would
-have chosen: a layer's block keeps the ``[N, H, C]`` order the kernels prefer, and only the
-distance between one block and the next grows (by the number of layers).
+kvcore backs a block-compact layout, where the layer and block axes come first (a block of
+a layer is one contiguous cell): block-outermost (``BLNHC``, ``BLHNC``: one row of every
+layer per block id, ``compound``) and, on one GPU, layer-outermost (``LBNHC``, ``LBHNC``: a
+range per layer, ``per-layer``; ``groups.engine_layout``). kvcore's TP x PP channel serves
+compound rows only. ``elastic_kv_cache_layouts`` is called by the engine core (patch
+``v1/engine: elastic KV resolves a KV cache layout kvcore can back``) on the workers' lists
+before ``resolve_kv_cache_layout``, and keeps the layouts kvcore can back there: first the
+block-outermost form of each supported layout (``B`` moved to the front: ``LBNHC`` ->
+``BLNHC``, ``LBHNC`` -> ``BLHNC``; a layer's block keeps the ``[N, H, C]`` order the kernels
+prefer), in the backends' order, then, on one GPU, the supported layer-outermost ones. So
+vLLM resolves ``BLNHC`` for FLASH_ATTN and TRITON_ATTN unless ``VLLM_KV_CACHE_LAYOUT`` asks
+for another layout kvcore can back (``LBNHC``: kvcore's per-layer ranges); ``docs/vllm.md``
+("KV cache layout") says why the block-outermost form is the default.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 
 from kvcore.errors import UnsupportedConfiguration
 
-__all__ = ["block_outermost_form", "elastic_kv_cache_layouts"]
+__all__ = ["backable_layouts", "block_outermost_form", "elastic_kv_cache_layouts"]
 
 _LEGACY = {"NHD": "LBNHC", "HND": "LBHNC"}
 """vLLM's legacy layout names and the layouts they alias (``resolve_kv_cache_layout``)."""
@@ -36,43 +41,54 @@ def block_outermost_form(name: str) -> str:
     return "B" + name.replace("B", "", 1)
 
 
+def backable_layouts(*, channel: bool) -> tuple[str, ...]:
+    """The vLLM layouts kvcore can back: the block-compact ones, block-outermost only when
+    the TP x PP channel serves the memory (``channel``)."""
+    return ("BLNHC", "BLHNC") if channel else ("LBNHC", "LBHNC", "BLNHC", "BLHNC")
+
+
 def elastic_kv_cache_layouts(
     vllm_config: Any, supported: Sequence[Sequence[str]]
 ) -> list[list[str]]:
-    """The block-outermost layouts of ``supported`` (one list of layout names per worker, as
-    ``Executor.get_supported_kv_cache_layouts`` returns them), each worker's list in its
-    backends' order of preference, block-outermost forms first; for the engine core to pass
-    to ``resolve_kv_cache_layout`` instead of ``supported`` when elastic KV is on.
+    """The layouts of ``supported`` (one list of layout names per worker, as
+    ``Executor.get_supported_kv_cache_layouts`` returns them) that kvcore can back in this
+    engine (``backable_layouts``): each worker's block-outermost forms of its layouts first,
+    in its backends' order, then its layer-outermost ones kvcore can back (one GPU only).
+    For the engine core to pass to ``resolve_kv_cache_layout`` instead of ``supported`` when
+    elastic KV is on.
 
     Raises ``UnsupportedConfiguration`` when ``VLLM_KV_CACHE_LAYOUT`` (or a layout already
-    recorded on ``cache_config.kv_cache_layout``) names a layer-outermost layout, and when a
-    worker's backends support no block-outermost layout."""
+    recorded on ``cache_config.kv_cache_layout``) names a layout kvcore cannot back here,
+    and when a worker's backends support none it can."""
     from vllm import envs
 
-    cache_config = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    ranks = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
+    channel = ranks > 1
+    backable = backable_layouts(channel=channel)
+    where = f"TP x PP = {ranks}" if channel else "one GPU"
+    recorded = getattr(vllm_config.cache_config, "kv_cache_layout", None)
     for setting, requested in (
         ("VLLM_KV_CACHE_LAYOUT", envs.VLLM_KV_CACHE_LAYOUT),
-        ("cache_config.kv_cache_layout", getattr(cache_config, "kv_cache_layout", None)),
+        ("cache_config.kv_cache_layout", recorded),
     ):
-        if requested is not None and not _LEGACY.get(requested, requested).startswith("B"):
-            form = block_outermost_form(requested)
+        if requested is not None and _LEGACY.get(requested, requested) not in backable:
             raise UnsupportedConfiguration(
-                f"--kvcore-elastic: {setting}={requested} is a layer-outermost KV cache "
-                "layout (each layer's blocks in a region of its own); elastic KV backs a "
-                "block id as one row of every layer and needs the block axis outermost",
-                hint=f"unset VLLM_KV_CACHE_LAYOUT (elastic KV then runs {form}, the same "
-                f"layout with blocks outermost) or set VLLM_KV_CACHE_LAYOUT={form}",
+                f"--kvcore-elastic: {setting}={requested} is a KV cache layout kvcore cannot "
+                f"back with {where} (it backs {', '.join(backable)}: a block of a layer must "
+                "be one contiguous cell, and kvcore's TP x PP channel needs blocks outermost)",
+                hint=f"unset VLLM_KV_CACHE_LAYOUT or set it to one of {', '.join(backable)}",
             )
     narrowed: list[list[str]] = []
     for names in supported:
         offered = list(names)
-        forms = [block_outermost_form(n) for n in offered]
-        keep = list(dict.fromkeys(f for f in forms if f in offered))
+        forms = [block_outermost_form(n) for n in offered] + offered
+        keep = list(dict.fromkeys(f for f in forms if f in offered and f in backable))
         if not keep:
             raise UnsupportedConfiguration(
-                "--kvcore-elastic: the attention backends support only layer-outermost KV "
-                f"cache layouts ({', '.join(offered)}); elastic KV needs the block axis "
-                "outermost",
+                "--kvcore-elastic: the attention backends support no KV cache layout kvcore "
+                f"can back with {where} (they support {', '.join(offered)}; kvcore backs "
+                f"{', '.join(backable)})",
                 hint="choose another --attention-backend, or serve without --kvcore-elastic",
             )
         narrowed.append(keep)

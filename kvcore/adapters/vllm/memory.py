@@ -3,12 +3,14 @@
 ``ElasticKVMemory(config, kv_cache_config)`` (``config``: the parsed ``--kvcore-config``,
 ``kvcore.adapters.config.ElasticConfig``) owns, for one process, the VMM backend, a
 ``VirtualKVCache`` on the model-family layout of vLLM's ``KVCacheConfig``
-(``groups.family_layout``: block-outermost, block ``b`` of every layer of every group is row
-``b``, as wide as vLLM's block stride), its ``LocalPageMapper``, a ``PageAllocator``
-gated by ``limit_bytes`` (or, with ``gpu_ledger``, by this instance's record in the per-GPU
-ledger, which is how two engines share one GPU's budget; or by a ``MemoryGate`` the embedding
-process passes as ``gate=``) and the ``BlockLedger`` the elastic block pool draws from. Block 0
-is vLLM's null block: reserved, its page stays backed. The ledger is a ``FencedBlockLedger``:
+(``groups.family_layout``: in a block-outermost layout block ``b`` of every layer of every
+group is row ``b``, as wide as vLLM's block stride; in a layer-outermost one each layer is a
+range of its own, the ranges back to back as vLLM's layer regions are), its
+``LocalPageMapper``, a ``PageAllocator`` gated by ``limit_bytes`` (or, with ``gpu_ledger``,
+by this instance's record in the per-GPU ledger, which is how two engines share one GPU's
+budget; or by a ``MemoryGate`` the embedding process passes as ``gate=``) and the
+``BlockLedger`` the elastic block pool draws from. Block 0 is
+vLLM's null block: reserved, its page stays backed. The ledger is a ``FencedBlockLedger``:
 with overlapping batches (``release_fence``) its ``fence`` keeps a page emptied behind a batch
 in flight mapped until that batch is done (``kvcore.adapters.vllm.fence``).
 
@@ -137,8 +139,14 @@ class ElasticKVMemory(KVMemory):
                 pad=not kv_cache_config.kv_cache_tensors,  # nothing views kvcore's rows
             )
             self.geometry = self.layout.geometry
-            num_blocks, block_bytes = self.geometry.num_blocks, self.geometry.block_bytes
-            self.cache = VirtualKVCache(self.backend, self.geometry, sanity=config.sanity)
+            g = self.geometry
+            num_blocks, block_bytes = g.num_blocks, g.block_bytes * g.num_layers * g.kv_buffers
+            self.cache = VirtualKVCache(
+                self.backend,
+                self.geometry,
+                sanity=config.sanity,
+                contiguous=True,  # per-layer: vLLM views one buffer, a region per layer
+            )
             self.mapper = LocalPageMapper(self.cache)
             if gate is None:
                 self.gate = self._gate(config, num_blocks * block_bytes)
@@ -178,12 +186,12 @@ class ElasticKVMemory(KVMemory):
         )
 
     def buffer(self) -> torch.Tensor:
-        """The flat ``int8`` tensor of ``num_blocks * block_bytes`` bytes at a stable address
-        (unbacked blocks read as zeros)."""
+        """The flat ``int8`` tensor vLLM's ``allocate_kv_cache`` views, at a stable address
+        (unbacked blocks read as zeros): ``num_blocks`` rows (compound), or one region of
+        ``num_blocks`` cells per layer (per-layer), ``num_blocks * block_bytes`` bytes each."""
         assert self.cache is not None
         g = self.geometry
-        view = self.cache.view(0, 0, torch.int8, block_shape=(g.block_bytes,))
-        return view.reshape(-1)[: g.num_blocks * g.block_bytes]
+        return self.cache.flat(torch.int8)[: g.num_layers * g.num_blocks * g.block_bytes]
 
     def close(self) -> None:
         """The clean shutdown. Releases, in order: the page allocator (every page unmapped,

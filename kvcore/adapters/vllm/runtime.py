@@ -104,6 +104,12 @@ def elastic_settings(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
             before[0],
             kv_cache_config.num_blocks,
         )
+    elif kv_cache_config.num_blocks != before[0]:
+        log.info(
+            "kvcore: %d -> %d blocks (whole pages in every layer's region)",
+            before[0],
+            kv_cache_config.num_blocks,
+        )
     settings = settings_dict(config)
     settings[RELEASE_FENCE] = _overlapping_batches(vllm_config)
     parallel = channel_settings(vllm_config, config, block_bytes=engine_row_bytes(kv_cache_config))
@@ -125,7 +131,7 @@ def elastic_kv_buffer(kv_cache_config: Any, device: torch.device, nbytes: int) -
         raise UnsupportedConfiguration(
             f"elastic KV: the KV cache buffer is {nbytes} bytes, not {num_blocks} blocks of "
             f"{block_bytes} bytes",
-            hint="elastic KV needs one block-outermost KV cache tensor (VLLM_KV_CACHE_LAYOUT)",
+            hint="elastic KV needs the KV cache tensors vLLM's planner makes (one buffer)",
         )
     if parallel_settings(kv_cache_config.kvcore) is not None:  # one rank of TP x PP
         return worker_buffer(kv_cache_config, device_index=_device_index(device))

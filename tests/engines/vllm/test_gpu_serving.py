@@ -3,8 +3,9 @@
 Each engine runs in its own process (``gpu_generate.py``) over the offline model directory
 of ``benchmarks/offline_model.py`` (``KVCORE_MODEL_DIR``; dummy weights, seeded, so every
 launch has the same weights). Greedy tokens with elastic KV on must equal upstream's, token
-for token, upstream on vLLM's default KV cache layout and elastic KV on the block-outermost
-form it resolves; the engines of those pairs run side by side (``KVCORE_GPU_PARALLEL``). A
+for token, upstream on vLLM's default KV cache layout, elastic KV on its block-outermost form
+(and both on LBNHC, which kvcore backs per layer); the engines of those pairs run side by
+side (``KVCORE_GPU_PARALLEL``). A
 tight ``limit_bytes`` that makes requests wait is compared under vLLM's batch-invariant mode
 (``VLLM_BATCH_INVARIANT=1`` on both sides), where a different batch composition cannot
 change a float. The driver's free memory must fall while KV fills, come back once requests
@@ -136,6 +137,7 @@ PAIRS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "v2-eager-triton": (("--enforce-eager", "--attention-backend", "TRITON_ATTN"), {}),
     "v1-eager-flash-attn": (("--enforce-eager",), {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
     "v2-compiled-flash-attn-fp8": (("--kv-cache-dtype", "fp8"), {}),
+    "v2-compiled-flash-attn-lbnhc": ((), {"VLLM_KV_CACHE_LAYOUT": "LBNHC"}),
 }
 """Engine configurations compared elastic on vs off: model runner (V2, V1), attention backend,
 torch.compile + CUDA graphs or eager, KV cache dtype. Async scheduling, prefix caching and
@@ -169,13 +171,15 @@ def pair_reports(request: pytest.FixtureRequest) -> dict[tuple[str, bool], Any]:
 def test_elastic_tokens_equal_upstream(pair: str, pair_reports: dict[Any, Any]) -> None:
     """Start-up (warm-up, CUDA graphs where compiled), prefix-cache hits and chunked prefill
     of long prompts: greedy tokens with elastic KV on equal upstream's, token for token.
-    Upstream runs vLLM's default KV cache layout (LBNHC); elastic KV resolves its
-    block-outermost form (BLNHC) without ``VLLM_KV_CACHE_LAYOUT``."""
+    Upstream runs vLLM's default KV cache layout (LBNHC), elastic KV its block-outermost
+    form (BLNHC: one row per block id), unless the pair sets ``VLLM_KV_CACHE_LAYOUT`` for
+    both (LBNHC: elastic KV backs it with one range per layer)."""
     off, on = pair_reports[(pair, False)], pair_reports[(pair, True)]
     for report in (off, on):
         if isinstance(report, str):
             pytest.fail(report)
-    assert (resolved_layout(off), resolved_layout(on)) == ("LBNHC", "BLNHC")
+    asked = PAIRS[pair][1].get("VLLM_KV_CACHE_LAYOUT")
+    assert (resolved_layout(off), resolved_layout(on)) == (asked or "LBNHC", asked or "BLNHC")
     assert_same_tokens(off, on)
 
 

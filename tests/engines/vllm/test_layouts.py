@@ -1,10 +1,12 @@
-"""Elastic KV resolves a block-outermost KV cache layout without ``VLLM_KV_CACHE_LAYOUT``.
+"""Elastic KV resolves a KV cache layout kvcore can back, and serves on each it can.
 
 Runs in the ``test-vllm-*`` nox sessions (the forked wheel, no GPU). The layouts come from the
 real attention backends through vLLM's own ``get_supported_kv_cache_layouts`` and are resolved
 by vLLM's own ``resolve_kv_cache_layout``, as the engine core does (``core.py`` passes them
-through ``elastic_kv_cache_layouts`` first when elastic KV is on). A dense model planned on the
-resolved layout then serves under the real scheduler with vLLM's views over kvcore's rows.
+through ``elastic_kv_cache_layouts`` first when elastic KV is on). Models planned on the
+layouts elastic KV runs (block-outermost BLNHC, its default; layer-outermost LBNHC on one GPU,
+by ``VLLM_KV_CACHE_LAYOUT``) then serve under the real scheduler with vLLM's views over
+kvcore's memory.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ from vllm.v1.attention.backends.utils import (
     get_supported_kv_cache_layouts,
     resolve_kv_cache_layout,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
 from kvcore.adapters.vllm import elastic_kv_cache_layouts
-from kvcore.adapters.vllm.layouts import block_outermost_form
+from kvcore.adapters.vllm.layouts import backable_layouts, block_outermost_form
 from kvcore.errors import UnsupportedConfiguration
 
 __all__ = ["_close_engines"]  # the autouse fixture that closes the engines built here
@@ -38,8 +40,10 @@ def _no_layout_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
 
 
-def _config() -> Any:
-    return VllmConfig(device_config=DeviceConfig(device="cpu"))
+def _config(tp: int = 1) -> Any:
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    config.parallel_config.tensor_parallel_size = tp
+    return config
 
 
 def _worker_layouts(*backends: type) -> list[list[str]]:
@@ -47,82 +51,131 @@ def _worker_layouts(*backends: type) -> list[list[str]]:
     return [[layout.name for layout in get_supported_kv_cache_layouts(backends)]]
 
 
+def _resolve(config: Any, supported: list[list[str]]) -> Any:
+    return resolve_kv_cache_layout(config, elastic_kv_cache_layouts(config, supported), [])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("backend", [FlashAttentionBackend, TritonAttentionBackend])
-def test_elastic_resolves_the_block_outermost_form_of_vllms_choice(backend: type) -> None:
+def test_elastic_resolves_the_block_outermost_form_of_vllms_choice(backend: type, tp: int) -> None:
     supported = _worker_layouts(backend)
-    upstream = resolve_kv_cache_layout(_config(), supported, [])
+    upstream = resolve_kv_cache_layout(_config(tp), supported, [])
     assert upstream.name == "LBNHC" and not upstream.is_block_outermost
-    elastic = resolve_kv_cache_layout(_config(), elastic_kv_cache_layouts(_config(), supported), [])
+    elastic = _resolve(_config(tp), supported)
     assert elastic.name == "BLNHC" == block_outermost_form(upstream.name)
     # the per-layer block keeps the kernels' [N, H, C] order; only blocks move outermost
     assert elastic.layer_view_order == upstream.layer_view_order
     assert elastic.is_block_outermost and elastic.is_block_compact
 
 
-def test_each_backend_order_is_kept_among_block_outermost_layouts() -> None:
+def test_each_backend_order_is_kept_among_backable_layouts() -> None:
     # FlashInfer's declaration (HND first), as its worker reports it
-    assert elastic_kv_cache_layouts(_config(), [["LBHNC", "BLHNC"]]) == [["BLHNC"]]
-    ranks = [["LBHNC", "LBNHC", "BLNHC", "BLHNC"]] * 2  # every rank reports its list
-    assert elastic_kv_cache_layouts(_config(), ranks) == [["BLHNC", "BLNHC"]] * 2
+    assert elastic_kv_cache_layouts(_config(), [["LBHNC", "BLHNC"]]) == [["BLHNC", "LBHNC"]]
+    assert elastic_kv_cache_layouts(_config(2), [["LBHNC", "BLHNC"]]) == [["BLHNC"]]
+    ranks = [["LHBNC", "LBHNC", "BHLNC", "LBNHC", "BLNHC"]] * 2  # every rank reports its list
+    assert elastic_kv_cache_layouts(_config(), ranks) == [["BLNHC", "LBHNC", "LBNHC"]] * 2
+    assert backable_layouts(channel=False) == ("LBNHC", "LBHNC", "BLNHC", "BLHNC")
 
 
-def test_backends_without_a_block_outermost_layout_fail_at_start_up() -> None:
+def test_backends_without_a_backable_layout_fail_at_start_up() -> None:
     with pytest.raises(UnsupportedConfiguration) as err:
-        elastic_kv_cache_layouts(_config(), [["LBNHC", "LBHNC"]])
-    assert "LBNHC, LBHNC" in str(err.value) and "--attention-backend" in err.value.hint
+        elastic_kv_cache_layouts(_config(), [["LHBNC", "BHLNC"]])
+    assert "LHBNC, BHLNC" in str(err.value) and "--attention-backend" in err.value.hint
+    with pytest.raises(UnsupportedConfiguration, match="TP x PP = 2"):
+        elastic_kv_cache_layouts(_config(2), [["LBNHC", "LBHNC"]])  # no block-outermost form
 
 
-@pytest.mark.parametrize(("requested", "form"), [("NHD", "BLNHC"), ("LBHNC", "BLHNC")])
-def test_a_layer_outermost_env_layout_is_refused_naming_it(
-    monkeypatch: pytest.MonkeyPatch, requested: str, form: str
+@pytest.mark.parametrize(
+    ("requested", "tp"), [("LHBNC", 1), ("BHLNC", 1), ("NHD", 2), ("LBHNC", 2)]
+)
+def test_an_env_layout_kvcore_cannot_back_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch, requested: str, tp: int
 ) -> None:
     monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", requested)
     with pytest.raises(UnsupportedConfiguration) as err:
-        elastic_kv_cache_layouts(_config(), _worker_layouts(FlashAttentionBackend))
+        elastic_kv_cache_layouts(_config(tp), _worker_layouts(FlashAttentionBackend))
     assert f"VLLM_KV_CACHE_LAYOUT={requested}" in str(err.value)
-    assert f"VLLM_KV_CACHE_LAYOUT={form}" in err.value.hint
+    assert "BLNHC" in err.value.hint
 
 
-def test_a_block_outermost_env_layout_is_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "BLHNC")
-    narrowed = elastic_kv_cache_layouts(_config(), _worker_layouts(FlashAttentionBackend))
-    assert resolve_kv_cache_layout(_config(), narrowed, []).name == "BLHNC"
+@pytest.mark.parametrize(
+    ("requested", "tp"), [("NHD", 1), ("LBNHC", 1), ("BLHNC", 1), ("BLHNC", 2)]
+)
+def test_an_env_layout_kvcore_can_back_is_honoured(
+    monkeypatch: pytest.MonkeyPatch, requested: str, tp: int
+) -> None:
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", requested)
+    resolved = _resolve(_config(tp), _worker_layouts(FlashAttentionBackend))
+    assert resolved.name == {"NHD": "LBNHC"}.get(requested, requested)
 
 
-def test_a_recorded_layer_outermost_layout_is_refused() -> None:
+def test_a_recorded_layout_kvcore_cannot_back_is_refused() -> None:
     config = _config()
-    config.cache_config.kv_cache_layout = "LBNHC"
-    with pytest.raises(UnsupportedConfiguration, match=r"cache_config\.kv_cache_layout=LBNHC"):
+    config.cache_config.kv_cache_layout = "LHBNC"
+    with pytest.raises(UnsupportedConfiguration, match=r"cache_config\.kv_cache_layout=LHBNC"):
         elastic_kv_cache_layouts(config, _worker_layouts(FlashAttentionBackend))
 
 
-def test_dense_model_serves_on_blnhc_rows() -> None:
-    """Planned, validated, viewed and scheduled on the layout elastic KV resolves: vLLM's view
-    of layer ``i`` in block ``b`` covers exactly the bytes kvcore places for it in row ``b``
-    (written through vLLM's strided view, found whole in kvcore's region and nowhere else),
-    and pages follow blocks until every request is done."""
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=BF16)
-    eng = Engine({f"model.layers.{i}.attn": spec for i in range(4)}, 4 * MiB, layout="BLNHC")
+def _assert_vllm_views_cover_kvcore_cells(eng: Engine, rid: str) -> None:
+    """For each of ``rid``'s blocks and each layer: vLLM's view of the block (strided as the
+    layout makes it) covers exactly the bytes kvcore places for it, written through vLLM's
+    view and found whole in kvcore's cell and in no other layer's."""
     layout, cache = eng.memory.layout, eng.memory.cache
     assert cache is not None
+    for gid, group in enumerate(layout.groups):
+        for block in eng.block_ids(rid)[gid]:
+            cells = [
+                layout.view(cache, layer, group.cell[0].role)[block].view(torch.uint8)
+                for layer in group.layers
+            ]
+            for cell in cells:
+                cell.zero_()
+            for i, layer in enumerate(group.layers):
+                theirs = eng.views[layer][block]  # [H, N, C], physically as the layout says
+                assert theirs.data_ptr() == cells[i].data_ptr()
+                theirs.fill_(1.0)  # bf16 1.0: both bytes non-zero
+                assert theirs.numel() * theirs.element_size() == cells[i].numel()
+                assert bool((cells[i] != 0).all()), f"{layer}: vLLM's view left kvcore bytes"
+                assert not any(bool(c.any()) for c in cells[i + 1 :]), f"{layer} spilled over"
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
+def test_dense_model_serves_on_the_resolved_layouts(layout: str) -> None:
+    """Planned, validated, viewed and scheduled on each layout elastic KV runs: vLLM's
+    view of each layer's block is kvcore's cell of it, and pages follow blocks until every
+    request is done. LBNHC: one range per layer, vLLM's layer regions exactly (whole pages
+    in each: the engine core trims ``num_blocks``)."""
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=BF16)
+    layers = {f"model.layers.{i}.attn": spec for i in range(4)}
+    eng = Engine(layers, 131 * 4 * spec.page_size_bytes, layout=layout)  # 131 blocks planned
+    geometry = eng.memory.geometry
+    assert geometry.layout == ("per-layer" if layout == "LBNHC" else "compound")
+    if layout == "LBNHC":  # 8 blocks per 64 KiB page: the engine core trimmed to whole pages
+        assert eng.kv.num_blocks == 128 == 16 * geometry.blocks_per_page
+        (tensor,) = eng.kv.kv_cache_tensors
+        assert tensor.layer_stride == geometry.range_bytes == eng.kv.num_blocks * 8192
     reqs = [eng.add(f"r{i}", _prompt(i, 100), max_tokens=30) for i in range(3)]
     eng.step()
     eng.assert_pages_follow_blocks()
-    (group,) = layout.groups
-    for block in eng.block_ids("r1")[0]:
-        regions = [
-            layout.view(cache, layer, group.cell[0].role)[block].view(torch.uint8)
-            for layer in group.layers
-        ]
-        for region in regions:
-            region.zero_()
-        for i, layer in enumerate(group.layers):
-            theirs = eng.views[layer][block]  # [H, N, C], physically [N, H, C]
-            assert theirs.data_ptr() == regions[i].data_ptr()
-            theirs.fill_(1.0)  # bf16 1.0: both bytes non-zero
-            assert theirs.numel() * theirs.element_size() == regions[i].numel()
-            assert bool((regions[i] != 0).all()), f"{layer}: vLLM's view left kvcore bytes"
-            assert not any(bool(r.any()) for r in regions[i + 1 :]), f"{layer} spilled over"
+    _assert_vllm_views_cover_kvcore_cells(eng, "r1")
     eng.run(each=eng.assert_pages_follow_blocks)
     assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in reqs)
     assert eng.memory.stats().in_use == 1  # the null block's page
+
+
+def test_hybrid_model_serves_layer_outermost() -> None:
+    """Full + sliding-window groups overlaid part by part on LBNHC: every group's layer ``i``
+    is kvcore's range ``i``; the window frees blocks into the pool and pages follow."""
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=BF16)
+    window = SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=BF16, sliding_window=32
+    )
+    specs = {f"model.layers.{i}.attn": full if i % 3 == 2 else window for i in range(6)}
+    eng = Engine(specs, 4 * MiB, layout="LBNHC")
+    assert eng.memory.geometry.layout == "per-layer" and eng.memory.geometry.num_layers == 2
+    reqs = [eng.add(f"h{i}", _prompt(i + 5, 160), max_tokens=40) for i in range(3)]
+    eng.step()
+    _assert_vllm_views_cover_kvcore_cells(eng, "h0")
+    eng.run(each=eng.assert_pages_follow_blocks)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in reqs)
+    assert eng.memory.stats().in_use == 1

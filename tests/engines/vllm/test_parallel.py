@@ -500,6 +500,15 @@ def test_unsupported_parallel_setups_refused_at_start() -> None:
         plan(config)
 
 
+def test_layer_outermost_layout_refused_at_start() -> None:
+    """The worker channel serves block-outermost rows: LBNHC with TP = 2 is refused while
+    the engine core plans (patch 0009 resolves BLNHC there unless told otherwise)."""
+    config = vllm_config(2, 1)
+    config.cache_config.kv_cache_layout = "LBNHC"
+    with pytest.raises(UnsupportedConfiguration, match="layer-outermost"):
+        plan(config)
+
+
 def test_uneven_pipeline_stages_refused_at_start() -> None:
     """3 + 1 layers: the stages' block rows differ, so their pages would cover different
     blocks; refused while the engine core plans, before any worker allocates."""
