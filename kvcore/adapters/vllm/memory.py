@@ -203,7 +203,24 @@ class ElasticKVMemory(KVMemory):
         the ledger record or the other pages; then ``KvcoreError`` is raised naming the steps
         that failed (the first failure as its cause). The memory is closed either way."""
         if self._once.begin():
+            self._log_page_work()
             self._teardown(on_error=_shutdown_error)
+
+    def _log_page_work(self) -> None:
+        """What the page allocator did over the engine's life, at INFO: how the mapping work
+        split between the scheduler's thread and the background one, and the misses."""
+        if self.pages is None:
+            return
+        stats = self.pages.stats()
+        log.info(
+            "kvcore: page allocator at shutdown: %d of %d pages mapped, mapper calls %d on "
+            "the scheduler's thread and %d in the background, %d misses",
+            stats.mapped,
+            stats.num_pages,
+            stats.caller_mapper_calls,
+            stats.refill_mapper_calls,
+            stats.misses,
+        )
 
     def _teardown(self, *, on_error: OnError) -> None:
         """Close every part that exists (``kvcore.teardown.close_parts``)."""

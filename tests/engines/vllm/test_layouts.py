@@ -11,6 +11,7 @@ kvcore's memory.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -140,7 +141,9 @@ def _assert_vllm_views_cover_kvcore_cells(eng: Engine, rid: str) -> None:
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
-def test_dense_model_serves_on_the_resolved_layouts(layout: str) -> None:
+def test_dense_model_serves_on_the_resolved_layouts(
+    layout: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """Planned, validated, viewed and scheduled on each layout elastic KV runs: vLLM's
     view of each layer's block is kvcore's cell of it, and pages follow blocks until every
     request is done. LBNHC: one range per layer, vLLM's layer regions exactly (whole pages
@@ -161,6 +164,10 @@ def test_dense_model_serves_on_the_resolved_layouts(layout: str) -> None:
     eng.run(each=eng.assert_pages_follow_blocks)
     assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in reqs)
     assert eng.memory.stats().in_use == 1  # the null block's page
+    with caplog.at_level(logging.INFO, logger="kvcore.adapters.vllm.memory"):
+        eng.memory.close()  # the shutdown line says where the mapping work went
+    (line,) = [r.getMessage() for r in caplog.records if "page allocator at shutdown" in r.msg]
+    assert "mapper calls" in line and "0 misses" in line
 
 
 def test_hybrid_model_serves_layer_outermost() -> None:
