@@ -39,7 +39,7 @@ from collections.abc import Iterable, Sequence
 
 from kvcore.errors import GeometryError, InvalidTransition, PoolFailed
 from kvcore.geometry import KVGeometry
-from kvcore.pages import PageAllocator
+from kvcore.pages import PageAllocator, PageState
 
 __all__ = ["BlockLedger"]
 
@@ -48,6 +48,8 @@ _ALLOCATED = 1
 _RESERVED = 2  # permanently allocated at construction (e.g. vLLM's null block)
 _NOT_HELD = -1  # a page this ledger does not hold (not acquired from the page allocator)
 _ALLOCATED_BYTE = bytes((_ALLOCATED,))
+# page states in which the page allocator hands a page out before its free pages
+_IDLE_MAPPED = frozenset({PageState.RESERVED, PageState.UNMAP_QUEUED, PageState.MAPPING})
 # free() of at least this many ids checks and writes them page by page (sorted, slices)
 _BY_PAGE_MIN = 8
 
@@ -222,13 +224,29 @@ class BlockLedger:
     def available(self) -> int:
         """Blocks ``alloc`` could hand out now: free blocks on held pages plus the blocks of
         the pages the page allocator could still give (an upper bound when the device itself
-        runs short). A snapshot read without the lock, like ``PageAllocator.available``
-        (engines ask before every allocation)."""
+        runs short). While the geometry's short last page is mapped but not held (in the
+        reserve or the unmap queue, or being mapped for the reserve), the allocator hands it
+        out before any free page, so it counts as one of those pages for the blocks it
+        holds: under a budget that admits fewer pages than are left, the figure must not
+        promise what ``alloc`` cannot back. Without a budget the figure is exact. A snapshot
+        read without the lock, like ``PageAllocator.available`` (engines ask before every
+        allocation)."""
         free_slots = self._free_slots
         unheld = self._num_blocks - self._used - free_slots
         if unheld <= 0:
             return free_slots
-        return free_slots + min(self._pages.available() * self._bpp, unheld)
+        room = self._pages.available() * self._bpp
+        short = self._short_page
+        # mapped and idle, the short page is handed out before any free page (a free one,
+        # the highest id, comes last: then ``unheld`` below already counts it exactly)
+        if (
+            room
+            and short >= 0
+            and self._bucket_of[short] == _NOT_HELD
+            and self._pages.state(short) in _IDLE_MAPPED
+        ):
+            room -= self._bpp - self._capacity[short]
+        return free_slots + min(room, unheld)
 
     def used(self) -> int:
         """Allocated blocks, reserved ones included."""

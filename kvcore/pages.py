@@ -30,6 +30,12 @@ background thread too, so unmap outliers (3-5 ms on a GPU) never land on the sch
 thread. Only when the reserve and the pages waiting to
 be unmapped cannot cover a request does ``acquire`` map on the calling thread.
 
+Pages in flight. A page the background thread is mapping for the reserve or unmapping is
+still capacity: ``available()`` counts it, and an ``acquire`` that would otherwise miss
+waits for that mapper call to finish and tries again, so a free followed at once by an
+allocation of the same room succeeds exactly as it would on a static pool, and a refill an
+acquire woke never takes the page that acquire then needs.
+
 Fences. ``release(ids, fence=step)`` keeps the pages mapped until ``retire(upto)`` with
 ``upto >= step``: engines pass monotonically increasing step numbers, and one ``retire`` of
 the last finished step frees everything released behind it or any earlier step.
@@ -268,6 +274,10 @@ class PageAllocator:
         self._misses = 0
         self._calls_caller = 0
         self._calls_refill = 0
+        # pages the background thread has in a mapper call now (MAPPING for the reserve,
+        # UNMAPPING): capacity an acquire waits for rather than misses (invariant 2)
+        self._bg_maps: list[int] = []
+        self._bg_unmaps: list[int] = []
         self._failure: str | None = None
         self._failure_cause: BaseException | None = None
         self._closed = False
@@ -304,15 +314,30 @@ class PageAllocator:
         """Hand out ``n`` mapped page ids, now ``IN_USE``.
 
         Taken from the reserve first, then from pages waiting to be unmapped, then mapped
-        on this thread (after ``gate.try_acquire``). Returns ``None`` on a physical miss
-        (gate refused, out of device memory, a rolled-back or quarantining map, too few
-        unquarantined pages) with every page it touched back where it was. Raises
-        ``PoolFailed`` once the allocator has failed.
+        on this thread (after ``gate.try_acquire``). When that falls short while the
+        background thread is mapping pages for the reserve or unmapping pages (whose bytes
+        then return to the gate), ``acquire`` waits for that mapper call and tries again,
+        so pages in flight never turn into a miss: without a budget it succeeds whenever
+        ``n`` unquarantined pages exist. Returns ``None`` on a physical miss (gate refused,
+        out of device memory, a rolled-back or quarantining map, too few unquarantined
+        pages) with every page it touched back where it was. Raises ``PoolFailed`` once the
+        allocator has failed.
         """
         if n <= 0:
             if n == 0:
                 return []
             raise ValueError(f"page allocator: cannot acquire {n} pages")
+        while True:
+            ids = self._acquire_once(n)
+            if ids is not None:
+                return ids
+            with self._lock:  # a miss: pages the background thread holds may still serve it
+                if not self._settle_background_locked():
+                    self._misses += 1
+                    return None
+
+    def _acquire_once(self, n: int) -> list[int] | None:
+        """One ``acquire`` attempt; ``None`` on a miss with everything put back."""
         with self._lock:
             if self._failure is not None or self._closed:
                 self._check_usable()
@@ -412,6 +437,7 @@ class PageAllocator:
                 self._move(fresh, _MAPPING, _IN_USE)
                 return True
             self._undo_acquire([p for p in ids if p not in fresh])
+            self._misses += 1
             self._check_usable()
             return False
 
@@ -524,9 +550,10 @@ class PageAllocator:
             return PageState(self._state[page_id])
 
     def available(self) -> int:
-        """Pages ``acquire`` could hand out now: reserved, queued for unmap, and free pages
-        the mapper's pool or the gate would still admit (``gate.headroom()`` where the gate
-        has one). An upper bound: the device itself may still run out. A snapshot read
+        """Pages ``acquire`` could hand out now: reserved, queued for unmap, in a background
+        mapper call (``acquire`` waits for those), and free pages the mapper's pool or the
+        gate would still admit (``gate.headroom()`` where the gate has one). An upper
+        bound: the device itself may still run out. A snapshot read
         without the lock (engines ask before every allocation): a page the background
         thread moves meanwhile may be missed or, once, counted twice."""
         if self._failure is not None or self._closed:
@@ -537,7 +564,8 @@ class PageAllocator:
             room = headroom()
             if isinstance(room, int):
                 free = min(free, self._pooled + max(room, 0) // self._page_bytes)
-        return len(self._reserve) + len(self._unmap_queue) + free
+        inflight = len(self._bg_maps) + len(self._bg_unmaps)  # ``acquire`` waits for them
+        return len(self._reserve) + len(self._unmap_queue) + free + inflight
 
     def stats(self) -> PageStats:
         """A consistent snapshot of page counts and mapper-call counters."""
@@ -668,12 +696,24 @@ class PageAllocator:
         reserve.extend(pages)
         reserve.sort(reverse=True)
 
+    def _settle_background_locked(self) -> bool:
+        """Wait until the background thread's current mapper calls are done (pages it is
+        mapping for the reserve or unmapping): ``True`` when there were any, so that an
+        ``acquire`` that missed may try again. Caller holds ``_lock``."""
+        if not (self._bg_maps or self._bg_unmaps):
+            return False
+        self._settled.wait_for(
+            lambda: not (self._bg_maps or self._bg_unmaps) or self._failure is not None,
+            _SETTLE_TIMEOUT,
+        )
+        self._check_usable()
+        return not (self._bg_maps or self._bg_unmaps)
+
     def _undo_acquire(self, ids: list[int]) -> None:
         """Put pages a failed acquire took back, as reserved (the background thread trims
         any surplus). Caller holds ``_lock``."""
         self._move(ids, _IN_USE, _RESERVED)
         self._to_reserve(ids)
-        self._misses += 1
         self._reserve_dirty = True
         self._wake.notify()
 
@@ -960,14 +1000,19 @@ class PageAllocator:
                     self._to_reserve(maps)
                     self._backoff = self._retry_interval
                     self._batch_limit = min(2 * self._batch_limit, self._refill_batch)
+                    self._settled_background_locked(maps=True)
             else:  # a miss: wait longer and ask for less next time
                 with self._lock:
                     self._retry_at = time.monotonic() + self._backoff
                     self._backoff = min(2 * self._backoff, 20 * self._retry_interval)
                     self._batch_limit = max(len(maps) // 2, 1)
-        if unmaps and self._unmap(unmaps):  # after the refill (module docstring)
+                    self._settled_background_locked(maps=True)
+        if unmaps:  # after the refill (module docstring)
+            unmapped = self._unmap(unmaps)
             with self._lock:
-                self._unmap_backoff = self._retry_interval
+                if unmapped:
+                    self._unmap_backoff = self._retry_interval
+                self._settled_background_locked(maps=False)
         if trim_asked or (drop_pool and self._pooled > pool_keep):  # trim: retry releases too
             with self._mapper_lock:
                 self._trim_pool_locked()
@@ -979,6 +1024,13 @@ class PageAllocator:
             self._rounds += 1
             self._settled.notify_all()
         return True
+
+    def _settled_background_locked(self, *, maps: bool) -> None:
+        """The background mapper call on ``_bg_maps`` (or ``_bg_unmaps``) is over: its pages
+        are where it left them; wake an ``acquire`` waiting for them. Caller holds
+        ``_lock``."""
+        (self._bg_maps if maps else self._bg_unmaps).clear()
+        self._settled.notify_all()
 
     def _unmap_pending_locked(self) -> bool:
         return bool(self._unmap_queue) or len(self._reserve) > self._reserve_cap
@@ -1029,7 +1081,14 @@ class PageAllocator:
             unmaps = queue[:]
             queue.clear()
             self._move(unmaps, _QUEUED, _UNMAPPING)
+        self._bg_maps[:] = maps
+        self._bg_unmaps[:] = unmaps
         return unmaps, maps
+
+
+_SETTLE_TIMEOUT = 30.0
+"""Seconds an ``acquire`` waits for the background thread's mapper calls at most (one call
+takes milliseconds; a driver that hangs longer turns the wait into a miss)."""
 
 
 def _name(state: int) -> str:

@@ -9,7 +9,11 @@ stay host-only.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -34,6 +38,58 @@ BACKENDS = [
 """Parametrize a test over these to run it on every backend."""
 
 
+class PageThreadHold:
+    """A ``PageMapper`` in front of another that, while ``armed``, holds every ``map`` and
+    ``prepare_unmap`` the page allocator's background thread makes until ``release()``:
+    the test decides when pages in flight land (``entered`` is set once one is held)."""
+
+    def __init__(self, inner: LocalPageMapper) -> None:
+        self.inner = inner
+        self.armed = False
+        self.entered = threading.Event()
+        self._go = threading.Event()
+
+    def release(self) -> None:
+        self.armed = False
+        self._go.set()
+
+    def _hold(self) -> None:
+        if self.armed and threading.current_thread().name == "kvcore-page-refill":
+            self.entered.set()
+            self._go.wait()
+
+    def map(self, page_ids: Sequence[int]) -> None:
+        self._hold()
+        self.inner.map(page_ids)
+
+    def prepare_unmap(self, page_ids: Sequence[int]) -> None:
+        self._hold()
+        self.inner.prepare_unmap(page_ids)
+
+    def __getattr__(self, name: str) -> Any:  # the rest of the PageMapper protocol
+        return getattr(self.inner, name)
+
+
+@contextmanager
+def holding_mappers(monkeypatch: pytest.MonkeyPatch, module: Any) -> Iterator[list[PageThreadHold]]:
+    """Every ``LocalPageMapper`` that ``module`` (an adapter's memory module) builds while
+    this is active is wrapped in a ``PageThreadHold``; the holds, in order. Every hold is
+    released on exit."""
+    made: list[PageThreadHold] = []
+    real = module.LocalPageMapper
+
+    def held(cache: VirtualKVCache) -> PageThreadHold:
+        made.append(PageThreadHold(real(cache)))
+        return made[-1]
+
+    monkeypatch.setattr(module, "LocalPageMapper", held)
+    try:
+        yield made
+    finally:
+        for hold in made:
+            hold.release()
+
+
 @dataclass
 class MemStack:
     vmm: FaultInjector
@@ -41,6 +97,7 @@ class MemStack:
     cache: VirtualKVCache
     mapper: LocalPageMapper
     pages: PageAllocator
+    hold: PageThreadHold | None = None
 
     def ledger(self, reserved_blocks: tuple[int, ...] = ()) -> BlockLedger:
         return BlockLedger(self.geometry, self.pages, reserved_blocks)
@@ -56,6 +113,8 @@ class MemStack:
 
     def close(self) -> None:
         """Close everything and check nothing is left: no handle, no mapping."""
+        if self.hold is not None:
+            self.hold.release()
         try:
             self.pages.close()
             self.mapper.close()
@@ -81,10 +140,12 @@ def build_stack(
     charge_fixed_bytes: bool | None = False,
     retry_interval: float = 0.01,
     demand_window: float = 2.0,
+    hold_page_thread: bool = False,
 ) -> MemStack:
     """A fresh stack. ``device_pages`` (host only): how many page ids fit on the "device"
     beside the zero page; default: all of them. ``pool_pages=0`` makes every commit release
-    its handles, so device memory follows the page states exactly."""
+    its handles, so device memory follows the page states exactly. ``hold_page_thread``:
+    the allocator drives the mapper through a ``PageThreadHold`` (``MemStack.hold``)."""
     inner: VmmBackend
     if backend == "host":
         gran = HOST_GRANULARITY
@@ -114,8 +175,9 @@ def build_stack(
     # the page-arithmetic tests leave the zero page out of the gate's charge (False) so their
     # figures are whole pages; None takes PageAllocator's default (charged), as engines do
     charge = {} if charge_fixed_bytes is None else {"charge_fixed_bytes": charge_fixed_bytes}
+    hold = PageThreadHold(mapper) if hold_page_thread else None
     allocator = PageAllocator(
-        mapper,
+        mapper if hold is None else hold,  # type: ignore[arg-type]
         gate,
         reserve_min=reserve_min,
         reserve_max=reserve_max,
@@ -124,4 +186,4 @@ def build_stack(
         demand_window=demand_window,
         **charge,
     )
-    return MemStack(vmm, geometry, cache, mapper, allocator)
+    return MemStack(vmm, geometry, cache, mapper, allocator, hold)

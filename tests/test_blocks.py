@@ -598,3 +598,38 @@ def test_large_alloc_and_free_keep_placement_checks_and_pages_exact(
         assert ledger.used() == 1 and stack.pages.stats().in_use == 1
     finally:
         stack.close()
+
+
+def test_available_under_a_budget_counts_the_short_last_page_for_what_it_holds() -> None:
+    """Pages of 4 blocks, the last one holding 2. That short page sits mapped in the
+    reserve while pages 1 and 2 are unmapped, and the budget admits one page more: an
+    allocation gets the reserve's short page plus one mapped page, 6 blocks, not the 8 two
+    whole pages would hold. ``available()`` must say 6, and 6 must be allocatable."""
+    gate = BudgetGate(1 << 40)
+    stack = build_stack("host", num_blocks=14, blocks_per_page=4, reserve_max=1, gate=gate)
+    try:
+        ledger = stack.ledger()
+        everything = ledger.alloc(14)
+        assert everything is not None
+        ledger.free([12, 13])  # page 3 (short) -> the reserve
+        ledger.free(list(range(4, 12)))  # pages 1, 2 -> unmapped (the reserve is full)
+        assert stack.pages.flush()
+        assert stack.pages.state(3) is PageState.RESERVED
+        assert stack.pages.state(1) is stack.pages.state(2) is PageState.FREE
+        gate.limit = gate.held + stack.geometry.page_bytes  # one more page fits
+        assert ledger.available() == 6
+        assert ledger.alloc(7) is None  # the short page came first: no room to top it up
+        got = ledger.alloc(6)
+        assert got is not None and len(got) == 6
+    finally:
+        stack.close()
+
+
+def test_available_without_a_budget_is_exact_with_a_short_last_page() -> None:
+    stack = build_stack("host", num_blocks=14, blocks_per_page=4)
+    try:
+        ledger = stack.ledger(reserved_blocks=(0,))
+        assert ledger.available() == 13
+        assert ledger.alloc(13) is not None and ledger.available() == 0
+    finally:
+        stack.close()

@@ -699,3 +699,72 @@ def test_a_failing_gate_fails_the_allocator_and_strands_no_page(backend: str) ->
         assert all(stack.pages.state(p) is not S.MAPPING for p in range(stack.pages.num_pages))
     finally:
         stack.close()  # unmaps everything; asserts no handle is left
+
+
+# -- pages in flight on the background thread are capacity, not a miss (issue 18) ---------
+
+
+def _acquire_while_held(stack: MemStack, n: int) -> list[int] | None:
+    """``acquire(n)`` on another thread while the background thread is held inside a mapper
+    call; the hold is lifted only if that acquire is still waiting for it after a while, so
+    an acquire that gives up on pages in flight is seen to return at once."""
+    assert stack.hold is not None and stack.hold.entered.wait(10.0)
+    got: list[list[int] | None] = []
+    caller = threading.Thread(target=lambda: got.append(stack.pages.acquire(n)))
+    caller.start()
+    caller.join(0.5)
+    stack.hold.release()
+    caller.join(10.0)
+    assert not caller.is_alive()
+    return got[0]
+
+
+def test_an_acquire_waits_for_pages_being_unmapped_instead_of_missing(backend: str) -> None:
+    """No budget: every page was released a moment ago and the background thread is
+    unmapping them; the pool still counts them and an acquire of all of them succeeds."""
+    stack = build_stack(backend, num_blocks=16, hold_page_thread=True)
+    try:
+        n = stack.pages.num_pages
+        ids = stack.pages.acquire(n)
+        assert ids is not None
+        assert stack.hold is not None
+        stack.hold.armed = True
+        stack.pages.release(ids)  # no reserve: all of them queue for the background unmap
+        assert stack.hold.entered.wait(10.0)
+        assert stack.pages.state(ids[0]) is S.UNMAPPING
+        assert stack.pages.available() == n
+        again = _acquire_while_held(stack, n)
+        assert again is not None and sorted(again) == sorted(ids)
+        assert stack.pages.stats().misses == 0
+    finally:
+        stack.close()
+
+
+def test_an_acquire_waits_for_the_refill_it_woke(backend: str) -> None:
+    """``reserve_min=1``: an acquire wakes the refill, which takes a free page into its
+    map; the next acquire needs that page too and gets it once the map lands."""
+    stack = build_stack(backend, num_blocks=16, reserve_min=1, reserve_max=1, hold_page_thread=True)
+    try:
+        assert stack.pages.flush()  # the reserve holds one page
+        assert stack.hold is not None
+        stack.hold.armed = True
+        first = stack.pages.acquire(2)  # the reserve's page + one mapped here
+        assert first is not None
+        assert stack.hold.entered.wait(10.0)  # the refill is mapping one of the two left
+        assert stack.pages.available() == 2
+        second = _acquire_while_held(stack, 2)
+        assert second is not None and not set(first) & set(second)
+        assert stack.pages.stats().misses == 0
+    finally:
+        stack.close()
+
+
+def test_an_acquire_still_misses_when_no_page_is_left(backend: str) -> None:
+    stack = build_stack(backend, num_blocks=16)
+    try:
+        ids = stack.pages.acquire(stack.pages.num_pages)
+        assert ids is not None
+        assert stack.pages.acquire(1) is None  # nothing in flight to wait for
+        assert stack.pages.stats().misses == 1
+    finally:
+        stack.close()

@@ -90,6 +90,7 @@ class Engine:
         mamba_cache_mode: str = "none",
         elastic: bool = True,
         layout: str = "BLHNC",
+        kvcore: dict[str, Any] | None = None,
     ) -> None:
         model = ModelConfig(model="facebook/opt-125m", dtype="float16", seed=42, max_model_len=2048)
         sched = SchedulerConfig(
@@ -107,7 +108,7 @@ class Engine:
         cache.kv_cache_layout = layout
         backend = {"granularity": granularity, "device_bytes": 1 << 30}
         cache.kvcore_elastic = elastic
-        cache.kvcore_config = {"backend": "host", "backend_options": backend}
+        cache.kvcore_config = {"backend": "host", "backend_options": backend, **(kvcore or {})}
         self.vllm_config = VllmConfig(
             scheduler_config=sched, model_config=model, cache_config=cache
         )
