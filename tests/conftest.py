@@ -2,13 +2,55 @@
 
 Tests marked ``gpu`` need a CUDA device and cuda-python's driver bindings; anywhere else
 (CI, laptops) they are skipped with the reason, never failed.
+
+Nothing a test makes may outlive the suite: per-GPU ledgers and the host backend's shared
+device counts go to a private directory for the whole session (``KVCORE_LEDGER_DIR``,
+``KVCORE_HOST_SHARED_DIR``, inherited by every process a test starts), and the session
+fails if ``/dev/shm`` holds a ``kvcore-*`` entry it did not hold before.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+_SHM = Path("/dev/shm")
+
+
+def _kvcore_shm_entries() -> set[str]:
+    try:
+        return {p.name for p in _SHM.glob("kvcore-*")}
+    except OSError:  # no /dev/shm here: nothing to leave behind
+        return set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_shared_directories() -> Iterator[None]:
+    before = _kvcore_shm_entries()
+    private = Path(tempfile.mkdtemp(prefix="kvcore-tests-"))
+    saved = {k: os.environ.get(k) for k in ("KVCORE_LEDGER_DIR", "KVCORE_HOST_SHARED_DIR")}
+    os.environ["KVCORE_LEDGER_DIR"] = str(private / "ledgers")
+    os.environ["KVCORE_HOST_SHARED_DIR"] = str(private / "hostdev")
+    for sub in ("ledgers", "hostdev"):
+        (private / sub).mkdir(mode=0o700)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(private, ignore_errors=True)
+    left = sorted(_kvcore_shm_entries() - before)
+    if left:
+        pytest.fail(f"the test suite left {left} in /dev/shm: a test wrote outside its directory")
 
 
 @functools.cache

@@ -26,10 +26,10 @@ argument, else ``KVCORE_HOST_DEVICE_BYTES``, else half the machine's RAM); ``cre
 ``create`` until it is released *and* its last mapping is gone. The count is per backend
 object by default. With ``shared_accounting=True`` (or ``KVCORE_HOST_SHARED_ACCOUNTING=1``)
 every process using the same device id shares one count, kept in a ``flock``-ed file under
-``/dev/shm`` whose entries of dead processes are reclaimed on each update; this makes
-``mem_info`` meaningful to two engine processes on one host "device". The per-GPU ledger
-(``kvcore.gpu_ledger``) stays the authority on who holds what; this count only models the
-driver's free memory.
+``/dev/shm`` (``KVCORE_HOST_SHARED_DIR`` names another directory) whose entries of dead
+processes are reclaimed on each update; this makes ``mem_info`` meaningful to two engine
+processes on one host "device". The per-GPU ledger (``kvcore.gpu_ledger``) stays the
+authority on who holds what; this count only models the driver's free memory.
 """
 
 from __future__ import annotations
@@ -57,7 +57,18 @@ if TYPE_CHECKING:
 DEVICE_BYTES_ENV = "KVCORE_HOST_DEVICE_BYTES"
 SHARED_ACCOUNTING_ENV = "KVCORE_HOST_SHARED_ACCOUNTING"
 DEFAULT_GRANULARITY = 2 << 20
-SHARED_DIR = Path("/dev/shm")
+SHARED_DIR_ENV = "KVCORE_HOST_SHARED_DIR"
+"""Environment variable naming the directory of the shared device counts (default
+``/dev/shm``; tests point it at a private directory)."""
+DEFAULT_SHARED_DIR = Path("/dev/shm")
+
+
+def shared_dir() -> Path:
+    """The directory of the shared device counts: ``$KVCORE_HOST_SHARED_DIR`` or
+    ``/dev/shm``."""
+    value = os.environ.get(SHARED_DIR_ENV, "")
+    return Path(value) if value else DEFAULT_SHARED_DIR
+
 
 _PROT_NONE = 0x0
 _PROT_READ = 0x1
@@ -461,7 +472,7 @@ class _SharedCount:
     (``{pid: [start_time, bytes]}``); entries of dead processes are dropped on update."""
 
     def __init__(self, device_uuid: str) -> None:
-        self.path = SHARED_DIR / f"kvcore-hostdev-{device_uuid}.json"
+        self.path = shared_dir() / f"kvcore-hostdev-{device_uuid}.json"
         self._me = str(os.getpid())
         self._start = _start_time(os.getpid())
 

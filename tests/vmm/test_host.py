@@ -17,7 +17,7 @@ import torch
 
 from kvcore.errors import BackendUnavailable, OutOfDeviceMemory, VmmError
 from kvcore.vmm import open_backend
-from kvcore.vmm.host import DEVICE_BYTES_ENV, SHARED_DIR, HostBackend
+from kvcore.vmm.host import DEVICE_BYTES_ENV, HostBackend, shared_dir
 
 G = 2 << 20
 
@@ -145,7 +145,7 @@ def test_faults_are_real(action: str, setup: str) -> None:
 def test_shared_accounting_across_processes() -> None:
     device = 1000 + os.getpid() % 1000  # a device id of our own
     parent = HostBackend(device, device_bytes=8 * G, shared_accounting=True)
-    path = SHARED_DIR / f"kvcore-hostdev-{parent.device_uuid()}.json"
+    path = shared_dir() / f"kvcore-hostdev-{parent.device_uuid()}.json"
     child = subprocess.Popen(
         [
             sys.executable,
