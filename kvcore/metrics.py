@@ -6,7 +6,9 @@ Two ways to publish:
   change (its ``on_change`` hook), setting per-instance gauges. ``metrics_hook()`` builds
   it from the environment and returns ``None`` when metrics are off:
 
-  - ``KVCORE_METRICS_PORT=9400``: serve them on that port from this process;
+  - ``KVCORE_METRICS_PORT=9400``: serve them on that port from this process, on
+    ``127.0.0.1`` unless ``KVCORE_METRICS_ADDR`` names another address (``0.0.0.0``: every
+    interface);
   - ``KVCORE_METRICS_MULTIPROC_DIR=/dir``: prometheus-client's multiprocess mode, writing
     to ``/dir``. Point it at the engine's own ``PROMETHEUS_MULTIPROC_DIR`` and the engine's
     ``/metrics`` endpoint serves kvcore's metrics with its own (vLLM runs its API server and
@@ -14,7 +16,8 @@ Two ways to publish:
     set, this process also serves the whole directory on the port.
 
 * **Whole machine** (``LedgerCollector``): reads every per-GPU ledger at scrape time; one
-  exporter covers all instances of all engines. Run ``python -m kvcore.metrics --port 9400``.
+  exporter covers all instances of all engines. Run ``python -m kvcore.metrics --port 9400``
+  (``--addr``: the address to listen on, ``127.0.0.1`` by default).
 
 Metric names (labels ``device``, ``instance``, ``engine``): ``kvcore_mapped_bytes``,
 ``kvcore_reserve_bytes``, ``kvcore_limit_bytes`` (0: none), ``kvcore_acquire_denied``
@@ -37,6 +40,9 @@ from kvcore.errors import LedgerError
 from kvcore.gpu_ledger import GpuLedger, InstanceRecord, list_ledgers
 
 PORT_ENV = "KVCORE_METRICS_PORT"
+ADDR_ENV = "KVCORE_METRICS_ADDR"
+DEFAULT_ADDR = "127.0.0.1"
+"""Where metrics servers listen unless told otherwise: this machine only."""
 MULTIPROC_ENV = "KVCORE_METRICS_MULTIPROC_DIR"
 _PROM_MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _LABELS = ("device", "instance", "engine")
@@ -48,6 +54,8 @@ class MetricsConfig:
 
     port: int | None = None
     multiprocess_dir: Path | None = None
+    addr: str = DEFAULT_ADDR
+    """The address the port is served on (``KVCORE_METRICS_ADDR``)."""
 
     @property
     def enabled(self) -> bool:
@@ -55,15 +63,17 @@ class MetricsConfig:
 
     @classmethod
     def from_env(cls) -> MetricsConfig:
-        """Read ``KVCORE_METRICS_PORT`` and ``KVCORE_METRICS_MULTIPROC_DIR``. Raises
-        ``ValueError`` for a port that is not a number."""
+        """Read ``KVCORE_METRICS_PORT``, ``KVCORE_METRICS_ADDR`` and
+        ``KVCORE_METRICS_MULTIPROC_DIR``. Raises ``ValueError`` for a port that is not a
+        number."""
         port_text = os.environ.get(PORT_ENV, "").strip()
         directory = os.environ.get(MULTIPROC_ENV, "").strip()
+        addr = os.environ.get(ADDR_ENV, "").strip() or DEFAULT_ADDR
         try:
             port = int(port_text) if port_text else None
         except ValueError:
             raise ValueError(f"{PORT_ENV}={port_text!r} is not a port number") from None
-        return cls(port=port, multiprocess_dir=Path(directory) if directory else None)
+        return cls(port=port, multiprocess_dir=Path(directory) if directory else None, addr=addr)
 
 
 class InstanceMetrics:
@@ -134,7 +144,7 @@ def metrics_hook(device_uuid: str, config: MetricsConfig | None = None) -> Insta
 
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry, path=str(config.multiprocess_dir))
-        start_http_server(config.port, registry=registry or _default_registry())
+        start_http_server(config.port, addr=config.addr, registry=registry or _default_registry())
         _SERVED.add(config.port)
     return InstanceMetrics(device_uuid)
 
@@ -199,12 +209,17 @@ def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - a serv
     )
     parser.add_argument("--port", type=int, required=True, help="TCP port to listen on")
     parser.add_argument("--dir", type=Path, default=None, help="ledger directory")
+    parser.add_argument(
+        "--addr",
+        default=DEFAULT_ADDR,
+        help=f"address to listen on (default {DEFAULT_ADDR}; 0.0.0.0 for every interface)",
+    )
     args = parser.parse_args(argv)
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry()
     registry.register(LedgerCollector(args.dir))
-    start_http_server(args.port, registry=registry)
+    start_http_server(args.port, addr=args.addr, registry=registry)
     while True:
         time.sleep(3600)
 

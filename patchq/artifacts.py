@@ -169,6 +169,18 @@ class IndexSource:
             )
             for f in json.loads(body)["files"]
         ]
+        # downloads go over https, or the index's own scheme (a local file:// mirror)
+        allowed = {"https", urllib.parse.urlsplit(self.index_url).scheme}
+        for remote in listed:
+            scheme = urllib.parse.urlsplit(remote.url).scheme
+            if scheme not in allowed:
+                raise ArtifactError(
+                    f"the index at {self.index_url} lists {remote.filename} at {remote.url}: "
+                    f"scheme {scheme!r} is neither https nor the index's own",
+                    engine=project,
+                    version=version,
+                    hint="use an index that serves its files over https or its own scheme",
+                )
         return _of_release(listed, project, version)
 
 

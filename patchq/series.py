@@ -68,6 +68,14 @@ def read(directory: Path, *, engine: str = "", version: str = "") -> Series:
             continue
         if text in names:
             raise SeriesError(f"{path} lists {text} twice", patch=text, **ctx)
+        if Path(text).name != text or text in (".", "..") or not text.endswith(".patch"):
+            raise SeriesError(
+                f"{path} lists {text!r}: series entries are plain *.patch file names in "
+                "the series' own directory",
+                patch=text,
+                hint="list the file's name only (python -m patchq export writes the series)",
+                **ctx,
+            )
         if not (directory / text).is_file():
             raise SeriesError(
                 f"{path} lists {text}, which does not exist",

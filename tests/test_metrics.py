@@ -142,6 +142,15 @@ def test_multiprocess_directory_mode(tmp_path: Path) -> None:
     assert value(text, "kvcore_reserve_bytes") == MiB
 
 
+def test_the_port_listens_on_this_machine_only_by_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(PORT_ENV, "9400")
+    assert MetricsConfig.from_env().addr == "127.0.0.1"
+    monkeypatch.setenv("KVCORE_METRICS_ADDR", "0.0.0.0")
+    assert MetricsConfig.from_env().addr == "0.0.0.0"
+
+
 def test_http_port_mode() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -468,11 +468,18 @@ def _host_device_uuid(device: int) -> str:
 
 
 class _SharedCount:
-    """Bytes held on one host device by every live process, in a ``flock``-ed JSON file
-    (``{pid: [start_time, bytes]}``); entries of dead processes are dropped on update."""
+    """Bytes held on one host device by every live process: a JSON table
+    (``{pid: [start_time, bytes]}``) in ``kvcore-hostdev-<uuid>.json``, updated under an
+    ``flock`` of ``<that>.lock`` by writing a new file and renaming it over the old one, so a
+    process killed mid-update leaves the old table or the new one, never a torn one.
+    Entries of dead processes are dropped on update; content that is not such a table
+    counts as empty. Both files are opened without following symlinks: a link planted at
+    the predictable path is refused (``VmmError``), not written through."""
 
     def __init__(self, device_uuid: str) -> None:
-        self.path = shared_dir() / f"kvcore-hostdev-{device_uuid}.json"
+        base = shared_dir()
+        self.path = base / f"kvcore-hostdev-{device_uuid}.json"
+        self._lock_path = base / f"kvcore-hostdev-{device_uuid}.json.lock"
         self._me = str(os.getpid())
         self._start = _start_time(os.getpid())
 
@@ -482,17 +489,62 @@ class _SharedCount:
     def add(self, delta: int, *, limit: int | None) -> bool:
         return self._update(delta, limit)[0]
 
-    def _update(self, delta: int, limit: int | None) -> tuple[bool, int]:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+    def _open(self, path: Path, flags: int) -> int:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise VmmError(
+                "open",
+                {"path": str(path), "purpose": "the shared device count"},
+                errno.errorcode.get(exc.errno or 0, str(exc)),
+                hint="remove whatever is at that path (a symlink is refused), or set "
+                f"{SHARED_DIR_ENV} to a directory of your own",
+            ) from exc
+
+    def _read(self) -> dict[str, list[int]]:
+        try:
+            fd = self._open(self.path, os.O_RDONLY)
+        except VmmError:
+            if not self.path.exists() and not self.path.is_symlink():
+                return {}
+            raise
+        try:
             raw = os.read(fd, 1 << 20)
-            try:
-                table: dict[str, list[int]] = json.loads(raw) if raw else {}
-            except ValueError:
-                table = {}
+        finally:
+            os.close(fd)
+        try:
+            table = json.loads(raw) if raw else {}
+        except ValueError:
+            return {}
+        if not isinstance(table, dict):
+            return {}
+        return {
+            pid: [int(v[0]), int(v[1])]
+            for pid, v in table.items()
+            if isinstance(pid, str)
+            and pid.isdigit()
+            and isinstance(v, list)
+            and len(v) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        }
+
+    def _write(self, table: dict[str, list[int]]) -> None:
+        tmp = self.path.with_name(f"{self.path.name}.{self._me}.tmp")
+        fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            os.write(fd, json.dumps(table).encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+
+    def _update(self, delta: int, limit: int | None) -> tuple[bool, int]:
+        lock = self._open(self._lock_path, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
             table = {
-                pid: v for pid, v in table.items() if _start_time(int(pid)) == v[0] and v[1] > 0
+                pid: v
+                for pid, v in self._read().items()
+                if _start_time(int(pid)) == v[0] and v[1] > 0
             }
             total = sum(v[1] for v in table.values())
             if limit is not None and delta > 0 and total + delta > limit:
@@ -502,13 +554,11 @@ class _SharedCount:
                 table[self._me] = [self._start, mine]
             else:
                 table.pop(self._me, None)
-            data = json.dumps(table).encode()
-            os.lseek(fd, 0, os.SEEK_SET)
-            os.ftruncate(fd, 0)
-            os.write(fd, data)
+            if delta or not self.path.exists():
+                self._write(table)
             return True, total + delta
         finally:
-            os.close(fd)
+            os.close(lock)
 
 
 def _start_time(pid: int) -> int:

@@ -80,6 +80,7 @@ class _Index(http.server.BaseHTTPRequestHandler):
 
     files: ClassVar[dict[str, bytes]] = {}
     json_api = True
+    url_prefix = "../../files/"  # what each file's "url" starts with
 
     def do_GET(self) -> None:
         if self.path == "/simple/toyeng/":
@@ -89,7 +90,7 @@ class _Index(http.server.BaseHTTPRequestHandler):
             listing = [
                 {
                     "filename": name,
-                    "url": f"../../files/{name}",
+                    "url": f"{self.url_prefix}{name}",
                     "hashes": {"sha256": hashlib.sha256(data).hexdigest()},
                     "size": len(data),
                 }
@@ -122,6 +123,7 @@ def local_index(index_dir: Path) -> Iterator[str]:
     yield f"http://127.0.0.1:{server.server_address[1]}/simple"
     server.shutdown()
     _Index.json_api = True
+    _Index.url_prefix = "../../files/"
 
 
 def test_index_source_reads_the_json_api_of_pips_configured_index(
@@ -141,3 +143,9 @@ def test_an_index_without_the_json_api_is_reported(local_index: str) -> None:
     _Index.json_api = False
     with pytest.raises(ArtifactError, match="does not serve the PEP 691 JSON API"):
         IndexSource(local_index).files("toyeng", "1.0.0")
+
+
+def test_an_index_listing_files_under_another_scheme_is_refused(local_index: str) -> None:
+    _Index.url_prefix = "file:///etc/"  # a hostile or broken index
+    with pytest.raises(ArtifactError, match="neither https nor the index's own"):
+        IndexSource(local_index).files("toyeng", "1.0.1")

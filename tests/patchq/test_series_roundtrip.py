@@ -151,6 +151,25 @@ def test_check_refuses_a_series_naming_a_missing_or_omitting_a_patch(ws: Workspa
         check_release(ws, rel)
 
 
+@pytest.mark.parametrize(
+    "entry", ["../outside/0001-x.patch", "sub/0001-x.patch", "/tmp/0001-x.patch", "notes.txt"]
+)
+def test_a_series_entry_that_is_not_a_plain_patch_name_is_refused(
+    tmp_path: Path, entry: str
+) -> None:
+    """``build`` applies what ``read`` returns: an entry reaching outside the series'
+    directory must be refused there, not only by ``check``."""
+    directory = tmp_path / "patches" / "toyeng" / "1.0.0"
+    directory.mkdir(parents=True)
+    outside = (directory / entry).resolve()
+    if not entry.startswith("/"):
+        outside.parent.mkdir(parents=True, exist_ok=True)
+        outside.write_text("x")
+    (directory / "series").write_text(entry + "\n")
+    with pytest.raises(SeriesError, match="plain"):
+        read(directory)
+
+
 def test_patch_files_never_contain_compiled_members(ws: Workspace) -> None:
     rel = ws.release("toyeng", "1.0.0")
     wheel = ws.cache.fetch(rel, "wheel", "3.11")

@@ -4,6 +4,7 @@ configurable device size, fds that come and go with handles, cross-process accou
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -183,6 +184,41 @@ def test_shared_accounting_across_processes() -> None:
         child.kill()
         child.wait()
         Path(path).unlink(missing_ok=True)
+
+
+def test_a_symlink_at_the_shared_count_path_is_refused(tmp_path: Path) -> None:
+    device = 2000 + os.getpid() % 1000
+    probe = HostBackend(device, device_bytes=8 * G)
+    path = shared_dir() / f"kvcore-hostdev-{probe.device_uuid()}.json"
+    probe.close()
+    victim = tmp_path / "victim"
+    victim.write_text("the owner's file")
+    path.symlink_to(victim)
+    try:
+        with pytest.raises(VmmError, match="ELOOP"):
+            HostBackend(device, device_bytes=8 * G, shared_accounting=True).create(G)
+        assert victim.read_text() == "the owner's file"  # never written through
+    finally:
+        path.unlink()
+
+
+@pytest.mark.parametrize("content", [b"[1, 2]", b'{"12": "x", "x": [1, 2]}', b"\xff{", b"null"])
+def test_wrongly_shaped_shared_count_content_counts_as_empty(content: bytes) -> None:
+    device = 3000 + os.getpid() % 1000
+    b = HostBackend(device, device_bytes=8 * G, shared_accounting=True)
+    path = shared_dir() / f"kvcore-hostdev-{b.device_uuid()}.json"
+    try:
+        path.write_bytes(content)
+        assert b.mem_info().free == 8 * G
+        h = b.create(G)
+        assert b.mem_info().free == 7 * G
+        assert json.loads(path.read_text())[str(os.getpid())][1] == G
+        b.release(h)
+        assert not list(path.parent.glob(path.name + ".*.tmp"))  # replaced, not left over
+    finally:
+        b.close()
+        path.unlink(missing_ok=True)
+        path.with_name(path.name + ".lock").unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize(("module", "extra"), [("cuda", "cuda"), ("hip", "rocm")])
