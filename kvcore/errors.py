@@ -107,6 +107,12 @@ class LedgerError(KvcoreError):
     """The per-GPU shared ledger is unusable (foreign file, unknown layout version, lock)."""
 
 
+class LedgerBusy(LedgerError):
+    """Another process held the per-GPU ledger's lock for longer than the caller would wait
+    (a slow ``kvctl``, a stopped process). Contention, not damage: a serving instance's gate
+    turns it into a miss or a deferred update, never a fail-stop."""
+
+
 class LedgerNotFound(LedgerError):
     """No per-GPU ledger exists yet (no kvcore instance has started on that GPU)."""
 

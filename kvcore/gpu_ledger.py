@@ -24,7 +24,9 @@ Locking. Every access holds ``flock(2)`` on the ledger file: exclusive to write,
 read, so a reader never sees a torn record (the critical sections are a few struct reads
 and writes, microseconds). A thread lock serialises the threads of one process, which share
 the open file description. A lock held for longer than ``LOCK_TIMEOUT_S`` (e.g. by a
-stopped process) raises ``LedgerError`` instead of hanging the engine.
+stopped process) raises ``LedgerBusy`` (a ``LedgerError``) instead of hanging the caller;
+a serving instance's ``LedgerGate`` waits ``GATE_LOCK_WAIT_S`` at most and never fails on
+contention alone (its docstring says what each call does then).
 
 Permissions. The file is created with mode 0600 (only the creating user's instances share
 it). To let the instances of several users share one GPU, set ``KVCORE_LEDGER_GROUP`` to a
@@ -53,6 +55,7 @@ import enum
 import errno
 import fcntl
 import grp
+import logging
 import math
 import mmap
 import os
@@ -67,10 +70,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvcore.errors import LedgerError, LedgerNotFound, RevisionConflict, UnknownInstance
+from kvcore.errors import (
+    LedgerBusy,
+    LedgerError,
+    LedgerNotFound,
+    RevisionConflict,
+    UnknownInstance,
+)
 
 if TYPE_CHECKING:
     from kvcore.vmm.base import MemInfo, VmmBackend
+
+log = logging.getLogger(__name__)
 
 DIR_ENV = "KVCORE_LEDGER_DIR"
 """Environment variable naming the directory of ledger files (default ``/dev/shm``)."""
@@ -85,6 +96,9 @@ LAYOUT_VERSION = 1
 CAPACITY = 64
 """Instance slots per GPU ledger."""
 LOCK_TIMEOUT_S = 5.0
+GATE_LOCK_WAIT_S = 0.05
+"""How long a serving instance's gate waits for the ledger lock on its hot path before it
+treats the ledger as busy (``LedgerGate``): an allocation miss, a deferred release."""
 SWEEP_INTERVAL_S = 1.0
 """A gate refused by the budget re-checks for dead instances at most this often."""
 DEVICE_FREE_INTERVAL_S = 1.0
@@ -735,14 +749,16 @@ def _fmt_limit(limit: int) -> str:
     return f"{limit} bytes" if limit else "no limit"
 
 
-def _lock_fd(fd: int, op: int, path: Path) -> None:
-    """``flock`` with a deadline: a holder stuck for ``LOCK_TIMEOUT_S`` raises."""
+def _lock_fd(fd: int, op: int, path: Path, timeout: float | None = None) -> None:
+    """``flock`` with a deadline: a holder stuck for ``timeout`` seconds (default
+    ``LOCK_TIMEOUT_S``) raises ``LedgerBusy``."""
     try:
         fcntl.flock(fd, op | fcntl.LOCK_NB)
         return
     except BlockingIOError:
         pass
-    deadline = time.monotonic() + LOCK_TIMEOUT_S
+    wait = LOCK_TIMEOUT_S if timeout is None else timeout
+    deadline = time.monotonic() + wait
     delay = 0.0001
     while True:
         time.sleep(delay)
@@ -751,8 +767,8 @@ def _lock_fd(fd: int, op: int, path: Path) -> None:
             return
         except BlockingIOError:
             if time.monotonic() > deadline:
-                raise LedgerError(
-                    f"the ledger {path} stayed locked for {LOCK_TIMEOUT_S:.0f} s",
+                raise LedgerBusy(
+                    f"the ledger {path} stayed locked for {wait:g} s",
                     hint="a process holding it is stuck or stopped; find it with "
                     f"`fuser {path}` (or lslocks)",
                 ) from None
@@ -856,6 +872,12 @@ class LedgerGate:
     * ``reserve_target(wanted)`` is 0 while a trim is requested (``kvctl trim``).
     * ``close`` removes the record (also done for it by the stale sweep if the process
       dies). Every method raises ``LedgerError`` if the record was removed under it.
+    * Lock contention is never an error here: when another process holds the ledger's lock
+      for longer than ``GATE_LOCK_WAIT_S`` (a slow ``kvctl``, a stopped process),
+      ``try_acquire`` is a miss, ``release`` is deferred (the record keeps the bytes, which
+      overstates this instance to the others, never the reverse, until the next call that
+      gets the lock applies it), ``report_reserve`` is skipped, ``reserve_target`` keeps
+      the reserve and ``headroom`` promises nothing.
     """
 
     def __init__(
@@ -893,6 +915,8 @@ class LedgerGate:
         self._last_sweep = 0.0
         self._last_free = 0.0
         self._owns_ledger = False
+        self._pending_release = 0  # bytes released while the ledger was busy
+        self._last_busy_log = 0.0
         self._closed = False
 
     @classmethod
@@ -938,17 +962,21 @@ class LedgerGate:
     def try_acquire(self, nbytes: int) -> bool:
         if nbytes < 0:
             raise LedgerError(f"try_acquire({nbytes}): negative size", hint="a caller bug")
-        self._maybe_note_free()
-        ok, budget_refused = self._try_acquire_once(nbytes)
-        if ok or not budget_refused:
-            return ok
-        now = time.monotonic()
-        if now - self._last_sweep < SWEEP_INTERVAL_S:
+        try:
+            self._maybe_note_free()
+            ok, budget_refused = self._try_acquire_once(nbytes)
+            if ok or not budget_refused:
+                return ok
+            now = time.monotonic()
+            if now - self._last_sweep < SWEEP_INTERVAL_S:
+                return False
+            self._last_sweep = now
+            if not self.ledger.reclaim_stale():
+                return False
+            return self._try_acquire_once(nbytes)[0]
+        except LedgerBusy as exc:
+            self._note_busy("an allocation waits", exc)
             return False
-        self._last_sweep = now
-        if not self.ledger.reclaim_stale():
-            return False
-        return self._try_acquire_once(nbytes)[0]
 
     def _try_acquire_once(self, nbytes: int) -> tuple[bool, bool]:
         """(admitted, refused by the budget rather than the limit)."""
@@ -973,6 +1001,16 @@ class LedgerGate:
         return True, False
 
     def release(self, nbytes: int) -> None:
+        try:
+            self._release_now(nbytes)
+        except LedgerBusy as exc:
+            self._pending_release += nbytes
+            self._note_busy(f"{self._pending_release} released bytes wait for it", exc)
+            return
+        with contextlib.suppress(LedgerBusy):  # informational: the next call catches up
+            self._maybe_note_free()
+
+    def _release_now(self, nbytes: int) -> None:
         base = self._base
         buf = self._enter(exclusive=True)
         try:
@@ -995,11 +1033,13 @@ class LedgerGate:
             self._leave()
         if rec is not None and self._on_change is not None:
             self._on_change(rec)
-        self._maybe_note_free()
 
     def report_reserve(self, nbytes: int) -> None:
+        try:
+            buf = self._enter(exclusive=True)
+        except LedgerBusy:
+            return  # informational: the next report catches up
         base = self._base
-        buf = self._enter(exclusive=True)
         try:
             mapped, _, _, total, _, _ = self._figures(buf)
             _RECORD.put(buf, base, "reserve", max(0, min(nbytes, mapped)))
@@ -1012,7 +1052,10 @@ class LedgerGate:
             self._on_change(rec)
 
     def reserve_target(self, wanted: int) -> int:
-        buf = self._enter(exclusive=False)
+        try:
+            buf = self._enter(exclusive=False)
+        except LedgerBusy:
+            return wanted  # keep the reserve (it is charged already) until the ledger frees
         try:
             if _float(_RECORD.get(buf, self._base, "trim_until")) > time.time():
                 return 0
@@ -1029,7 +1072,10 @@ class LedgerGate:
         """Bytes ``try_acquire`` would admit now (the instance limit and the GPU budget
         minus what every instance holds); 0 while over either. Beyond the ``MemoryGate``
         protocol: ``PageAllocator.available()`` uses it."""
-        buf = self._enter(exclusive=False)
+        try:
+            buf = self._enter(exclusive=False)
+        except LedgerBusy:
+            return 0  # promise no room the ledger cannot confirm
         try:
             mapped, _, limit, total, budget, _ = self._figures(buf)
         finally:
@@ -1042,13 +1088,16 @@ class LedgerGate:
     # -- the hot path: no context managers, one unpack for the record, one for the header --
 
     def _enter(self, *, exclusive: bool) -> mmap.mmap:
-        """Take the thread lock and the file lock and check the record is still ours.
-        The caller must call ``_leave`` (in a ``finally``) once this returned."""
+        """Take the thread lock and the file lock (waiting ``GATE_LOCK_WAIT_S`` at most:
+        ``LedgerBusy``) and check the record is still ours; exclusive, apply a release
+        deferred while the ledger was busy. The caller must call ``_leave`` (in a
+        ``finally``) once this returned."""
         led = self.ledger
         led._tlock.acquire()
         try:
             led._check_usable()
-            _lock_fd(led._fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, led.path)
+            op = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+            _lock_fd(led._fd, op, led.path, timeout=GATE_LOCK_WAIT_S)
         except BaseException:
             led._tlock.release()
             raise
@@ -1061,7 +1110,26 @@ class LedgerGate:
                 hint="the ledger thought this process dead (another pid namespace, or "
                 "the file was replaced); restart the instance",
             )
+        if exclusive and self._pending_release:
+            self._apply_pending_release(led._buf)
         return led._buf
+
+    def _apply_pending_release(self, buf: mmap.mmap) -> None:
+        """Write the releases deferred while the ledger was busy. Caller holds the
+        exclusive lock."""
+        mapped, reserve, _, total, _, _ = self._figures(buf)
+        nbytes = min(self._pending_release, mapped)
+        self._pending_release = 0
+        _RECORD.put(buf, self._base, "mapped", mapped - nbytes)
+        if reserve > mapped - nbytes:
+            _RECORD.put(buf, self._base, "reserve", mapped - nbytes)
+        _HDR_TOTAL.pack_into(buf, _HDR_TOTAL_OFF, max(0, total - nbytes), self._generation(buf))
+
+    def _note_busy(self, what: str, exc: LedgerBusy) -> None:
+        now = time.monotonic()
+        if now - self._last_busy_log >= 10.0:  # a stuck holder: say so, not on every call
+            self._last_busy_log = now
+            log.warning("kvcore: %s: %s (%s)", what, exc, exc.hint)
 
     def _leave(self) -> None:
         fcntl.flock(self.ledger._fd, fcntl.LOCK_UN)

@@ -768,3 +768,38 @@ def test_an_acquire_still_misses_when_no_page_is_left(backend: str) -> None:
         assert stack.pages.stats().misses == 1
     finally:
         stack.close()
+
+
+def test_a_stuck_ledger_lock_is_a_miss_never_a_failed_allocator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process holds the per-GPU ledger's lock (a stopped ``kvctl``): allocations
+    miss and releases wait, the allocator keeps working, and the books balance once the
+    lock is free again."""
+    import fcntl
+    import os
+
+    monkeypatch.setenv(gpu_ledger.DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(gpu_ledger.GROUP_ENV, raising=False)
+    ledger = GpuLedger.open("GPU-stuck-lock-test", device_total=1 << 30)
+    g = LedgerGate(ledger, name="a", engine="test")
+    stack = build_stack("host", gate=g)
+    try:
+        held = stack.pages.acquire(2)
+        assert held is not None
+        fd = os.open(ledger.path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            assert stack.pages.acquire(1) is None  # a miss, not PoolFailed
+            stack.pages.release(held)  # unmapped by the background thread; release deferred
+            assert stack.pages.flush()
+            assert not stack.pages.stats().failed
+        finally:
+            os.close(fd)
+        again = stack.pages.acquire(1)
+        assert again is not None
+        assert g.record().mapped == stack.pages.stats().charged_bytes == stack.pages.page_bytes
+    finally:
+        stack.close()
+        g.close()
+        ledger.close()
