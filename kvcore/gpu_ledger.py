@@ -94,6 +94,9 @@ FILE_SUFFIX = ".ledger"
 MAGIC = b"KVCLEDGR"
 LAYOUT_VERSION = 1
 CAPACITY = 64
+MAX_BYTES = 1 << 56
+"""The largest size a ledger field holds (64 PiB): CAPACITY records of it still sum below
+2**64, the width of the ledger's unsigned fields."""
 """Instance slots per GPU ledger."""
 LOCK_TIMEOUT_S = 5.0
 GATE_LOCK_WAIT_S = 0.05
@@ -543,8 +546,7 @@ class GpuLedger:
         (no new memory until use falls), never an error. Raises ``UnknownInstance``
         (message lists the known names) and, when ``if_revision`` is given and is not the
         current limit revision, ``RevisionConflict`` (nothing changed)."""
-        if limit < 0:
-            raise LedgerError(f"limit {limit} is negative", hint="give bytes >= 0 (0: none)")
+        _check_bytes("limit", limit)
         with self._locked(exclusive=True) as buf:
             self._reclaim_locked(buf)
             before = self._find_locked(buf, name)
@@ -571,8 +573,7 @@ class GpuLedger:
         """Set the GPU-wide budget in bytes (0: the device total); returns the new budget
         revision. Lowering below current use is deferred like a limit. Raises
         ``RevisionConflict`` when ``if_revision`` is given and stale."""
-        if budget < 0:
-            raise LedgerError(f"budget {budget} is negative", hint="give bytes >= 0 (0: none)")
+        _check_bytes("budget", budget)
         with self._locked(exclusive=True) as buf:
             rev = _int(_HEADER.get(buf, 0, "budget_revision"))
             if if_revision is not None and rev != if_revision:
@@ -631,6 +632,7 @@ class GpuLedger:
         device: int,
         limit: int,
     ) -> tuple[int, int]:
+        _check_bytes("limit", limit)
         if not _NAME_RE.match(name):
             raise LedgerError(
                 f"instance name {name!r} is not usable",
@@ -747,6 +749,15 @@ def _read_record(buf: mmap.mmap, slot: int) -> InstanceRecord:
 
 def _fmt_limit(limit: int) -> str:
     return f"{limit} bytes" if limit else "no limit"
+
+
+def _check_bytes(what: str, n: int) -> None:
+    """Refuse a size a ledger field cannot hold, naming it (``LedgerError``)."""
+    if not 0 <= n <= MAX_BYTES:
+        raise LedgerError(
+            f"{what} {n} bytes is outside 0 .. {MAX_BYTES} (64 PiB)",
+            hint="give bytes >= 0 (0: none) no larger than any device",
+        )
 
 
 def _lock_fd(fd: int, op: int, path: Path, timeout: float | None = None) -> None:
@@ -962,6 +973,8 @@ class LedgerGate:
     def try_acquire(self, nbytes: int) -> bool:
         if nbytes < 0:
             raise LedgerError(f"try_acquire({nbytes}): negative size", hint="a caller bug")
+        if nbytes > MAX_BYTES:
+            return False  # more than any device: refused like any request beyond the budget
         try:
             self._maybe_note_free()
             ok, budget_refused = self._try_acquire_once(nbytes)

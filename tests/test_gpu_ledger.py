@@ -707,3 +707,18 @@ def test_cuda_backend_keys_the_ledger_by_the_gpu_uuid(capsys: pytest.CaptureFixt
             assert "gpu-test" in out and "other unknown" not in out
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("size", [1 << 64, 1 << 57, -1])
+def test_sizes_the_ledger_cannot_hold_are_refused_by_name(ledger: GpuLedger, size: int) -> None:
+    gate(ledger, "a")
+    with pytest.raises(LedgerError, match=r"outside 0 \.\. "):
+        ledger.set_limit("a", size)
+    with pytest.raises(LedgerError, match=r"outside 0 \.\. "):
+        ledger.set_budget(size)
+    with pytest.raises(LedgerError, match=r"outside 0 \.\. "):
+        LedgerGate(ledger, name="b", engine="test", limit=size)
+
+
+def test_a_request_beyond_any_device_is_a_refusal(ledger: GpuLedger) -> None:
+    assert gate(ledger, "a").try_acquire(1 << 64) is False

@@ -128,11 +128,15 @@ class ElasticConfig:
         return config
 
 
+_MAX_INT = 1 << 56
+
+
 def _check_int(kwargs: dict[str, Any], name: str, *, optional: bool) -> None:
     if name not in kwargs or (optional and kwargs[name] is None):
         return
     v = kwargs[name]
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= _MAX_INT:
         raise UnsupportedConfiguration(
-            f"--kvcore-config: {name} must be a non-negative integer, got {v!r}"
+            f"--kvcore-config: {name} must be an integer in 0 .. 2**56 (64 PiB: more than "
+            f"any device), got {v!r}"
         )

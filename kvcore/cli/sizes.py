@@ -25,6 +25,10 @@ _DECIMAL = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 
+MAX_SIZE = 1 << 56
+"""The largest size accepted (the per-GPU ledger's ``MAX_BYTES``)."""
+
+
 class SizeError(ValueError):
     """A size string in none of the accepted forms; the message lists them."""
 
@@ -54,7 +58,10 @@ def parse_size(text: str, *, device_total: int | None = None) -> int:
         raise SizeError(f"unknown unit {m.group(2)!r} in {text!r}; use {ACCEPTED}")
     if "." in number and factor == 1:
         raise SizeError(f"{text!r}: a plain byte count must be a whole number")
-    return int(float(number) * factor) if "." in number else int(number) * factor
+    n = int(float(number) * factor) if "." in number else int(number) * factor
+    if n > MAX_SIZE:
+        raise SizeError(f"{text!r} is more than {MAX_SIZE} bytes (64 PiB), larger than any device")
+    return n
 
 
 def format_bytes(n: int) -> str:

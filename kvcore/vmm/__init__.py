@@ -9,6 +9,7 @@ for failure-path tests.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 from kvcore.errors import BackendUnavailable
@@ -40,5 +41,24 @@ def open_backend(name: str, device: int = 0, **options: Any) -> VmmBackend:
             hint=f"use one of: {', '.join(sorted(BACKENDS))}",
         ) from None
     module = importlib.import_module(module_name)
-    backend: VmmBackend = getattr(module, class_name)(device, **options)
+    cls = getattr(module, class_name)
+    accepted = [
+        p.name
+        for p in inspect.signature(cls).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+        or (p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p.name != "device")
+    ]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise BackendUnavailable(
+            f"unknown option(s) {unknown} for the {name!r} VMM backend",
+            hint=f"its options are: {', '.join(accepted) or 'none'} (backend_options)",
+        )
+    for key, value in options.items():
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= 1 << 56:
+            raise BackendUnavailable(
+                f"{name!r} VMM backend option {key}={value} is outside 0 .. 2**56",
+                hint="give a size no larger than any device",
+            )
+    backend: VmmBackend = cls(device, **options)
     return backend

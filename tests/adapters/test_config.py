@@ -53,3 +53,9 @@ def test_gate_with_ledger_registers_the_instance_with_its_limit(tmp_path: Path) 
     finally:
         gate.close()
         backend.close()
+
+
+@pytest.mark.parametrize("key", ["limit_bytes", "page_bytes", "reserve_max"])
+def test_sizes_beyond_any_device_are_refused_by_name(key: str) -> None:
+    with pytest.raises(UnsupportedConfiguration, match=rf"{key} must be an integer in 0 \.\. 2"):
+        ElasticConfig.parse({key: 1 << 64})

@@ -126,6 +126,19 @@ def test_malformed_size_says_the_accepted_forms(
     assert ACCEPTED in err or "(0, 100]" in err or "whole number" in err
 
 
+@pytest.mark.parametrize(
+    ("verb", "size"), [("limit", "18446744073709551616"), ("budget", "99999999T")]
+)
+def test_a_size_beyond_any_device_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], instance: Spawn, verb: str, size: str
+) -> None:
+    instance("llama-a", MiB)
+    args = ("limit", "llama-a", size) if verb == "limit" else ("budget", size)
+    code, out, err = run(capsys, *args)
+    assert code == kvctl.EXIT_USAGE and out == ""
+    assert "larger than any device" in err and "Traceback" not in err
+
+
 def test_stale_revision_is_refused(capsys: pytest.CaptureFixture[str], instance: Spawn) -> None:
     instance("llama-a", MiB)
     assert run(capsys, "limit", "llama-a", "1G", "--if-revision", "1")[0] == 0

@@ -237,3 +237,14 @@ def test_driver_backends_without_their_library(module: str, extra: str) -> None:
 def test_unknown_backend_lists_the_known_ones() -> None:
     with pytest.raises(BackendUnavailable, match="cuda, hip, host"):
         open_backend("metal")
+
+
+def test_a_misspelt_backend_option_is_named_with_the_known_ones() -> None:
+    with pytest.raises(BackendUnavailable, match="granularty") as info:
+        open_backend("host", granularty=1 << 16)
+    assert "granularity" in info.value.hint and "device_bytes" in info.value.hint
+
+
+def test_a_size_option_larger_than_any_device_is_refused() -> None:
+    with pytest.raises(BackendUnavailable, match="outside"):
+        open_backend("host", device_bytes=1 << 70)
