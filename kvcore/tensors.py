@@ -733,7 +733,13 @@ class LocalPageMapper:
             return
         backend = self.backend
         if current is _ZERO or current is _BACKED:
-            backend.unmap(va, size)
+            try:
+                backend.unmap(va, size)
+            except VmmError:
+                # the unmap may have taken effect anyway: never trust the old state again
+                # (a rollback then clears the slot piecewise and maps it afresh)
+                slots[i] = _UNKNOWN
+                raise
         elif current is _UNKNOWN:
             self.cache._unmap_piecewise(va, size)
         slots[i] = _EMPTY

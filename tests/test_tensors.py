@@ -676,3 +676,23 @@ def test_host_write_to_an_unbacked_block_faults(layout: str) -> None:
     assert "read ok" in proc.stdout, proc.stderr
     assert "write did not fault" not in proc.stdout
     assert proc.returncode == -11, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_an_unmap_that_took_effect_but_reported_failure_is_not_trusted(
+    mapper: LocalPageMapper, vmm: FaultInjector
+) -> None:
+    """The driver unmapped the slot and then reported an error: the mapper must not record
+    the page as still mapped with nothing under it (the next write would fault). The
+    rollback rebuilds the slot from its kept handle, data intact, or quarantines it."""
+    cache = mapper.cache
+    block = cache.geometry.blocks_of(1)[0]
+    mapper.map([1])
+    fill_block(cache, 0, 0, block, 2.0)
+    vmm.fail("unmap", after=True)  # the next unmap happens, then raises anyway
+    with pytest.raises((InjectedFault, PageQuarantined)):
+        mapper.prepare_unmap([1])
+    assert_consistent(vmm, mapper)  # every slot is what the page's state says
+    assert mapper.state(1) in (PageState.MAPPED, PageState.QUARANTINED)
+    if mapper.state(1) is PageState.MAPPED:
+        assert block_sum(cache, 0, 0, block) == 2.0 * cache.view(0, 0)[block].numel()
+        fill_block(cache, 0, 0, block, 3.0)  # writable: no fault
