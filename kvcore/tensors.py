@@ -454,10 +454,15 @@ class _Slot(enum.Enum):
     EMPTY = "empty"  # nothing mapped (reserved only)
     BACKED = "backed"  # the page's handle is mapped, read-write
     UNKNOWN = "unknown"  # a quarantined page's slot: cleared piecewise before reuse at close
+    # an unmap of a ZERO / BACKED slot raised: it may or may not have taken effect
+    SUSPECT_ZERO = "suspect-zero"
+    SUSPECT_BACKED = "suspect-backed"
 
 
 # module-level names of the members: an Enum member read through its class costs ~100 ns
 _ZERO, _EMPTY, _BACKED, _UNKNOWN = _Slot.ZERO, _Slot.EMPTY, _Slot.BACKED, _Slot.UNKNOWN
+_SUSPECT = {_Slot.SUSPECT_ZERO: _ZERO, _Slot.SUSPECT_BACKED: _BACKED}
+_SUSPECT_OF = {_ZERO: _Slot.SUSPECT_ZERO, _BACKED: _Slot.SUSPECT_BACKED}
 _UNBACKED_S, _MAPPED_S = PageState.UNBACKED, PageState.MAPPED
 _PREPARED_S, _QUARANTINED_S = PageState.PREPARED, PageState.QUARANTINED
 
@@ -736,26 +741,50 @@ class LocalPageMapper:
             try:
                 backend.unmap(va, size)
             except VmmError:
-                # the unmap may have taken effect anyway: never trust the old state again
-                # (a rollback then clears the slot piecewise and maps it afresh)
-                slots[i] = _UNKNOWN
+                # the unmap may have taken effect all the same: the slot is suspect until a
+                # rollback finds out (below) instead of trusting the old state
+                slots[i] = _SUSPECT_OF[current]
                 raise
         elif current is _UNKNOWN:
+            self.cache._unmap_piecewise(va, size)
+        elif current in _SUSPECT:
+            old = _SUSPECT[current]
+            if target is old:  # a rollback: whether the unmap took effect, mapping tells
+                try:
+                    if old is _ZERO:
+                        self.cache._map_zero_range(va, size)
+                    else:
+                        backend.map(va, size, page.handles[i])
+                except VmmError:  # the range is still mapped: the failed unmap did nothing
+                    slots[i] = old
+                    return
+                slots[i] = _EMPTY if old is _BACKED else old  # BACKED: access comes next
+                if old is _BACKED:
+                    self._grant(page, i, va, size)
+                return
             self.cache._unmap_piecewise(va, size)
         slots[i] = _EMPTY
         if target is _ZERO:
             self.cache._map_zero_range(va, size)
         elif target is _BACKED:
             backend.map(va, size, page.handles[i])
-            try:
-                backend.set_access(va, size, writable=True)
-            except VmmError:
-                try:
-                    backend.unmap(va, size)
-                except VmmError as err:
-                    raise _Broken(va, size) from err
-                raise
+            self._grant(page, i, va, size)
         slots[i] = target
+
+    def _grant(self, page: _Page, i: int, va: int, size: int) -> None:
+        """Make slot ``i``, just mapped to the page's handle, read-write, recording it
+        ``BACKED``; if that fails, unmap it again (``_Broken`` when even that fails) and
+        raise, the slot ``EMPTY``."""
+        backend = self.backend
+        try:
+            backend.set_access(va, size, writable=True)
+        except VmmError:
+            try:
+                backend.unmap(va, size)
+            except VmmError as err:
+                raise _Broken(va, size) from err
+            raise
+        page.slots[i] = _BACKED
 
     # -- handles -------------------------------------------------------------------------
 
