@@ -65,24 +65,29 @@ def test_a_request_fits_while_the_pages_freed_for_it_are_still_unmapping(
 
 
 @pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "prefix-cache"])
 @pytest.mark.parametrize("reserve", [0, 4], ids=["no-reserve", "reserve"])
 @pytest.mark.parametrize("granularity", [64 << 10, 128 << 10], ids=["64k", "128k"])
-def test_lockstep_with_upstream_without_a_budget(granularity: int, reserve: int, seed: int) -> None:
-    """Seeded random arrivals (short and long prompts) into upstream's ``BlockPool`` and the
-    elastic one side by side, the page thread running free, 64 KiB and 128 KiB pages over a
-    block count that leaves a short last page: every step schedules the same requests for
-    the same tokens, and the same ones finish."""
+def test_lockstep_with_upstream_without_a_budget(
+    granularity: int, reserve: int, caching: bool, seed: int
+) -> None:
+    """Seeded random arrivals (short and long prompts sharing prefixes) into upstream's
+    ``BlockPool`` and the elastic one side by side, prefix caching off and on, the page
+    thread running free, 64 KiB and 128 KiB pages over a block count that leaves a short
+    last page: every step schedules the same requests for the same tokens, and the same
+    ones finish."""
     specs = {f"model.layers.{i}.attn": SPEC for i in range(2)}
     memory = 301 * 2 * SPEC.page_size_bytes  # 301 blocks: the last page is short
     options = {"reserve_min": min(reserve, 1), "reserve_max": reserve}
-    up = Engine(specs, memory, elastic=False)
-    el = Engine(specs, memory, granularity=granularity, kvcore=options)
+    up = Engine(specs, memory, elastic=False, caching=caching)
+    el = Engine(specs, memory, granularity=granularity, kvcore=options, caching=caching)
     assert el.memory.geometry.num_blocks % el.memory.geometry.blocks_per_page != 0
     rng = random.Random(seed)
     for step in range(160):
         for _ in range(rng.choice((0, 0, 1, 2))):
             rid, n = f"s{step}-{rng.randrange(10**6)}", rng.choice((24, 90, 300, 900))
-            tokens, max_tokens = _prompt(rng.randrange(10**4), n), rng.randrange(1, 40)
+            # a few prompt seeds: with the prefix cache on, later requests hit earlier ones
+            tokens, max_tokens = _prompt(rng.randrange(6), n), rng.randrange(1, 40)
             up.add(rid, tokens, max_tokens)
             el.add(rid, tokens, max_tokens)
         a, b = up.step(), el.step()
