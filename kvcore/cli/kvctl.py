@@ -12,13 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kvcore.cli._ledgers import Opened, open_ledgers
+from kvcore.cli.display import printable
 from kvcore.cli.sizes import ACCEPTED, SizeError, format_bytes, parse_size
 from kvcore.errors import KvcoreError, LedgerNotFound, UnknownInstance
 from kvcore.gpu_ledger import GpuLedger, InstanceRecord, LedgerSnapshot, Liveness
@@ -27,6 +29,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_NO_LEDGER = 3
+_NEGATIVE = re.compile(r"^-\d")
 
 _EPILOG = """\
 examples:
@@ -69,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="only the GPU whose uuid starts with UUID (needed when a command is ambiguous)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # --dir and --device work after the subcommand as well (default SUPPRESS: the value
+    # given before it stays unless repeated after it)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--dir", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument(
+        "--device", metavar="UUID", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
 
     def add(name: str, help_: str, examples: str) -> argparse.ArgumentParser:
         return sub.add_parser(
@@ -77,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
             description=help_,
             epilog=f"examples:\n{examples}",
             formatter_class=argparse.RawDescriptionHelpFormatter,
+            parents=[common],
         )
 
     p = add("list", "list the instances on each GPU", "  kvctl list\n  kvctl list --json")
@@ -134,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kvctl`` with ``argv`` (default: the command line); returns the exit status."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(_NEGATIVE.match(a) for a in argv):  # "-5G" is a (bad) size, not an option
+        bad = next(a for a in argv if _NEGATIVE.match(a))
+        print(f"kvctl: {bad!r}: a size cannot be negative; use {ACCEPTED}", file=sys.stderr)
+        return EXIT_USAGE
     args = parser.parse_args(argv)
     try:
         opened = open_ledgers(args.dir, args.device)
@@ -142,11 +158,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_NO_LEDGER
     try:
         for device, rec in opened.reclaimed:
-            _note(f"reclaimed the record of dead instance {rec.name!r} (pid {rec.pid}, {device})")
+            name = printable(rec.name)
+            _note(f"reclaimed the record of dead instance {name!r} (pid {rec.pid}, {device})")
         for error in opened.errors:
             _err(error)
-        status = _COMMANDS[args.command](args, opened)
-        return status if not opened.errors else max(status, EXIT_FAILED)
+        # a ledger that cannot be read is reported above; the command's own result decides
+        return _COMMANDS[args.command](args, opened)
     except _UsageError as exc:
         print(f"kvctl {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -166,7 +183,7 @@ def _cmd_list(args: argparse.Namespace, opened: Opened) -> int:
                 {"device_uuid": d, "name": r.name, "pid": r.pid} for d, r in opened.reclaimed
             ],
         }
-        print(json.dumps(doc, indent=2))
+        print(json.dumps(doc, indent=2, allow_nan=False))
         return EXIT_OK
     from rich.console import Console
 
@@ -183,6 +200,10 @@ def _cmd_list(args: argparse.Namespace, opened: Opened) -> int:
 def _cmd_limit(args: argparse.Namespace, opened: Opened) -> int:
     ledger, _ = _resolve(opened, args.name)
     size = _size(args.size, ledger)
+    if size == 0 and args.size.strip().lower() not in ("none", "unlimited"):
+        raise _UsageError(
+            f"{args.size!r} would remove the limit; say `kvctl limit {args.name} none` to remove it"
+        )
     before, after = ledger.set_limit(args.name, size, if_revision=args.if_revision)
     print(
         f"{after.name}: limit {_limit(before.limit)} -> {_limit(after.limit)} "
@@ -208,6 +229,11 @@ def _cmd_budget(args: argparse.Namespace, opened: Opened) -> int:
     rev = ledger.set_budget(size, if_revision=args.if_revision)
     snap = ledger.snapshot()
     print(f"{snap.device_uuid}: budget {format_bytes(snap.budget)} (revision {rev})")
+    if size > snap.device_total:
+        _note(
+            f"the budget {format_bytes(size)} is more than the device's "
+            f"{format_bytes(snap.device_total)}: the device runs out first"
+        )
     if snap.total_mapped > snap.budget:
         print(
             f"instances map {format_bytes(snap.total_mapped)} in all, above the budget: none "
@@ -328,17 +354,18 @@ def _gpu_line(snap: LedgerSnapshot) -> str:
 def _table(snap: LedgerSnapshot) -> Any:
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for col in ("NAME", "ENGINE", "PID", "STATE", "LIMIT", "MAPPED", "RESERVE", "%LIMIT", "REV"):
-        justify = "right" if col in ("PID", "%LIMIT", "REV") else "left"
+        justify: Literal["left", "right"] = "right" if col in ("PID", "%LIMIT", "REV") else "left"
         table.add_column(col, justify=justify, no_wrap=True)
     for r in sorted(snap.records, key=lambda r: r.name):
         engine = f"{r.engine} {r.engine_version}".strip()
         share = f"{100 * r.mapped / r.limit:.0f}%" if r.limit else "-"
         table.add_row(
-            r.name,
-            engine,
+            Text(printable(r.name)),  # Text: a name is never rich markup
+            Text(printable(engine)),
             str(r.pid),
             _state(r),
             _limit(r.limit),
@@ -348,6 +375,10 @@ def _table(snap: LedgerSnapshot) -> Any:
             str(r.limit_revision),
         )
     return table
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None  # JSON has no NaN or infinity
 
 
 def _snapshot_json(snap: LedgerSnapshot) -> dict[str, Any]:
@@ -373,7 +404,7 @@ def _snapshot_json(snap: LedgerSnapshot) -> dict[str, Any]:
                 "mapped": r.mapped,
                 "reserve": r.reserve,
                 "denied": r.denied,
-                "updated": r.updated,
+                "updated": _finite(r.updated),
             }
             for r in sorted(snap.records, key=lambda r: r.name)
         ],
@@ -381,13 +412,13 @@ def _snapshot_json(snap: LedgerSnapshot) -> dict[str, Any]:
 
 
 def _err(exc: KvcoreError) -> None:
-    print(f"kvctl: {exc.message}", file=sys.stderr)
+    print(f"kvctl: {printable(exc.message)}", file=sys.stderr)
     if exc.hint:
         print(f"hint: {exc.hint}", file=sys.stderr)
 
 
 def _note(text: str) -> None:
-    print(f"kvctl: {text}", file=sys.stderr)
+    print(f"kvctl: {printable(text)}", file=sys.stderr)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -22,9 +22,10 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kvcore.cli._ledgers import Opened, open_ledgers
+from kvcore.cli.display import printable
 from kvcore.cli.sizes import format_bytes
 from kvcore.errors import KvcoreError, LedgerNotFound
 from kvcore.gpu_ledger import LedgerSnapshot, Liveness
@@ -116,15 +117,15 @@ def _gpu(snap: LedgerSnapshot, now: float) -> Any:
 
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, expand=False)
     for col in ("NAME", "ENGINE", "LIMIT", "MAPPED", "RESERVE", "%"):
-        justify = "left" if col in ("NAME", "ENGINE") else "right"
+        justify: Literal["left", "right"] = "left" if col in ("NAME", "ENGINE") else "right"
         table.add_column(col, justify=justify, no_wrap=True)
     for r in sorted(snap.records, key=lambda r: r.name):
         pct = 100 * r.mapped / r.limit if r.limit else 100 * r.mapped / snap.budget
         style = "red" if r.limit and r.mapped > r.limit else ""
         name = r.name if r.liveness is not Liveness.UNKNOWN else f"{r.name} (?)"
         table.add_row(
-            name,
-            f"{r.engine} {r.engine_version}".strip(),
+            Text(printable(name)),  # from a file: never markup, never terminal escapes
+            Text(printable(f"{r.engine} {r.engine_version}".strip())),
             format_bytes(r.limit) if r.limit else "none",
             format_bytes(r.mapped),
             format_bytes(r.reserve),
