@@ -18,7 +18,7 @@ from patchq.console import info
 from patchq.errors import ApplyError, ExportMismatch, SeriesError
 from patchq.export import format_patches
 from patchq.fork import materialize
-from patchq.series import check_trailers, read
+from patchq.series import check_paths, check_trailers, read
 from patchq.workspace import Workspace
 
 
@@ -38,6 +38,7 @@ def check_release(ws: Workspace, rel: EngineRelease, *, python: str | None = Non
         info(f"{rel.name} {rel.version}: no series at {rel.patch_dir}/series: nothing to check")
         return False
     check_trailers(series, **ctx)
+    check_paths(series, **ctx)
     redo = (
         f"python -m patchq materialize {rel.name} {rel.version} --force, fix the fork, "
         f"python -m patchq export {rel.name} {rel.version}"

@@ -19,7 +19,7 @@ from patchq import gitcmd
 from patchq.console import info
 from patchq.errors import ForkError
 from patchq.fork import UPSTREAM_REF, am_in_progress
-from patchq.series import SERIES, Series, check_trailers, header, read
+from patchq.series import SERIES, Series, check_paths, check_trailers, header, read
 from patchq.workspace import Workspace
 
 FORMAT_PATCH = (
@@ -98,6 +98,7 @@ def export(ws: Workspace, rel: EngineRelease, *, fork: Path | None = None) -> Pa
         old = read(target, engine=rel.name, version=rel.version)
         staged = Series(staging, tuple(names), 0, exists=True)
         check_trailers(staged, engine=rel.name, version=rel.version)
+        check_paths(staged, engine=rel.name, version=rel.version)
         if old.exists and _same_patches(target, list(old.patches), staging, names):
             build = old.build
         else:

@@ -136,3 +136,30 @@ def check_trailers(series: Series, *, engine: str = "", version: str = "") -> No
                 hint=f"amend the commit in forks/{engine}/{version} "
                 f"(git commit --amend, or git rebase -i refs/kvcore/upstream) and re-export",
             )
+
+
+def check_paths(series: Series, *, engine: str = "", version: str = "") -> None:
+    """Raise ``SeriesError`` naming the first patch of ``series`` that touches a path outside
+    the release's own package (``<engine>/``: a top-level ``.pth`` would run at every
+    interpreter start) or adds, changes or removes a symlink (its target's bytes would be
+    packed into the forked wheel)."""
+    package = f"{engine}/"
+    for path in series.paths():
+        for line in path.read_text(errors="replace").splitlines():
+            problem = ""
+            if line.startswith("diff --git "):
+                for name in line.split()[2:4]:
+                    inner = name.split("/", 1)[1] if "/" in name else name
+                    parts = Path(inner).parts
+                    if not inner.startswith(package) or ".." in parts:
+                        problem = f"touches {inner}, outside the release's package {package}"
+            elif line.endswith(" 120000") and "mode" in line:
+                problem = "adds, changes or removes a symlink"
+            if problem:
+                raise SeriesError(
+                    f"the patch {problem}",
+                    engine=engine,
+                    version=version,
+                    patch=path.name,
+                    hint=f"keep patches to regular files under {package} and re-export",
+                )

@@ -39,7 +39,7 @@ from patchq import gitcmd
 from patchq.console import info, step
 from patchq.errors import BuildError
 from patchq.fork import UPSTREAM_REF, materialize
-from patchq.series import read
+from patchq.series import check_paths, read
 from patchq.workspace import Workspace, running_python
 
 _ADDED_DATE = (1980, 1, 1, 0, 0, 0)
@@ -333,6 +333,7 @@ def build(
     ``materialize``, ``BuildError`` and the artifact errors."""
     python = python or running_python()
     series = read(ws.series_dir(rel), engine=rel.name, version=rel.version)
+    check_paths(series, engine=rel.name, version=rel.version)
     version = local_version(rel.version, series.build)
     upstream = ws.cache.fetch(rel, "wheel", python)
     with tempfile.TemporaryDirectory(prefix="patchq-build-") as tmp:

@@ -249,3 +249,23 @@ def test_export_needs_a_fork(ws: Workspace) -> None:
     with pytest.raises(ForkError, match="no fork at") as err:
         export(ws, ws.release("toyeng", "1.0.0"))
     assert err.value.hint == "python -m patchq materialize toyeng 1.0.0"
+
+
+def test_a_patch_adding_a_symlink_or_a_file_outside_the_package_is_refused(
+    ws: Workspace,
+) -> None:
+    """A symlink's target bytes would land in the forked wheel, a top-level ``.pth`` would
+    run at every interpreter start: export refuses both, naming the patch."""
+    rel = ws.release("toyeng", "1.0.0")
+    fork = materialize(ws, rel)
+    _seam_patches(fork)
+    (fork / "toyeng" / "hostname").symlink_to("/etc/hostname")
+    gitcmd.git(fork, "add", "toyeng/hostname")
+    body = "Why: x.\nUpstream: not-suitable: x\nDrop-when: never.\n"
+    gitcmd.git(fork, "commit", "-q", "-m", f"link\n\n{body}", author_date=True)
+    with pytest.raises(SeriesError, match="symlink"):
+        export(ws, rel)
+    gitcmd.git(fork, "reset", "-q", "--hard", "HEAD~1")
+    commit_patch(fork, "evil.pth", "", "import os\n", "a startup hook")
+    with pytest.raises(SeriesError, match=r"outside the release's package toyeng/"):
+        export(ws, rel)
