@@ -157,6 +157,10 @@ class _Round:
         )
 
 
+# connect() outcomes that mean "not listening (yet)": retried until the deadline
+_NOT_LISTENING = (FileNotFoundError, ConnectionRefusedError, BlockingIOError, TimeoutError)
+
+
 class _Worker:
     def __init__(self, rank: int, sock: socket.socket, welcome: Welcome, reader: FrameReader):
         self.rank = rank
@@ -362,13 +366,23 @@ class ChannelCoordinator:
     # ------------------------------------------------------------------ connection
 
     def _connect(self, rank: int, deadline: float) -> _Worker:
+        """Connect to rank ``rank``'s worker and handshake by ``deadline`` (monotonic):
+        no socket yet, a refusal or a full backlog is retried until then. Raises
+        ``WorkerLost``, ``PeerRejected``, ``MalformedMessage``."""
         path = str(socket_path(self.path, rank))
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            # a worker whose backlog is full would block a plain connect past the deadline
+            sock.settimeout(max(deadline - time.monotonic(), 0.05))
             try:
                 sock.connect(path)
                 break
-            except (FileNotFoundError, ConnectionRefusedError) as exc:
+            except (
+                FileNotFoundError,
+                ConnectionRefusedError,
+                BlockingIOError,
+                TimeoutError,
+            ) as exc:
                 sock.close()
                 if time.monotonic() >= deadline:
                     raise WorkerLost(
@@ -383,6 +397,13 @@ class ChannelCoordinator:
             send_message(sock, Hello(rank, self.world_size, self.path.name))
             reader = FrameReader(max_bytes=self.max_bytes)
             answer = recv_message(sock, reader)
+        except TimeoutError:
+            sock.close()
+            raise WorkerLost(
+                f"rank {rank}: no answer to the handshake at {path} before the deadline",
+                rank=rank,
+                hint="the worker is stuck or overloaded; raise connect_timeout or restart it",
+            ) from None
         except BaseException:
             sock.close()
             raise

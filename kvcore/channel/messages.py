@@ -61,6 +61,8 @@ HEADER_BYTES = _HEADER.size
 _REQUEST = struct.Struct("!BQI")
 _REPLY = struct.Struct("!BQB")
 _MAX_ID = (1 << 63) - 1
+MAX_PAGES = 1 << 24
+"""The most page ids a worker may announce (16 M: 32 TiB of 2 MiB pages per rank)."""
 _MAX_PAGE = (1 << 32) - 1
 
 
@@ -249,10 +251,13 @@ def decode_body(kind: Kind, body: bytes) -> Message:
         fields.expect("rank", "world_size", "instance")
         return Hello(fields.integer("rank"), fields.integer("world_size"), fields.text("instance"))
     fields.expect("rank", "pid", "num_pages", "page_bytes", "fixed_bytes")
+    num_pages = fields.integer("num_pages")
+    if num_pages > MAX_PAGES:  # the coordinator keeps a state per page
+        raise MalformedMessage(f"channel WELCOME announces {num_pages} pages (at most {MAX_PAGES})")
     return Welcome(
         fields.integer("rank"),
         fields.integer("pid"),
-        fields.integer("num_pages"),
+        num_pages,
         fields.integer("page_bytes"),
         fields.integer("fixed_bytes"),
     )
@@ -305,6 +310,8 @@ def _load_json(what: str, body: bytes) -> object:
         return json.loads(body.decode())
     except (UnicodeDecodeError, ValueError) as exc:
         raise MalformedMessage(f"channel {what} body is not UTF-8 JSON: {exc}") from None
+    except RecursionError:  # a hostile body nested past the interpreter's limit
+        raise MalformedMessage(f"channel {what} body is nested too deeply") from None
 
 
 class _Fields:

@@ -73,6 +73,10 @@ log = logging.getLogger(__name__)
 DEFAULT_HANDSHAKE_TIMEOUT = 5.0
 
 
+MAX_HANDSHAKES = 8
+"""Connections a worker handshakes at once; more are refused (a coordinator makes one)."""
+
+
 class WorkerListener:
     """Serves one worker rank's channel socket. See the module docstring."""
 
@@ -92,6 +96,7 @@ class WorkerListener:
         self.max_bytes = max_bytes
         self.handshake_timeout = handshake_timeout
         self.rejected: list[str] = []
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)  # in flight at once
         """Why each refused connection was refused, oldest first."""
         self.sessions = 0
         """Coordinator sessions accepted so far."""
@@ -166,19 +171,36 @@ class WorkerListener:
                 conn, _ = listen.accept()
             except OSError:
                 break  # close() shut the socket down
-            threading.Thread(
-                target=self._serve,
-                args=(conn,),
-                name=f"kvcore-channel-rank{self.rank}-conn",
-                daemon=True,
-            ).start()
+            if not self._handshakes.acquire(blocking=False):  # a flood: refuse, keep serving
+                self.rejected.append("too many handshakes at once")
+                conn.close()
+                continue
+            try:
+                threading.Thread(
+                    target=self._serve,
+                    args=(conn,),
+                    name=f"kvcore-channel-rank{self.rank}-conn",
+                    daemon=True,
+                ).start()
+            except RuntimeError as exc:  # no thread to spare: this connection only fails
+                self._handshakes.release()
+                log.error("rank %d: cannot serve a connection: %s", self.rank, exc)
+                conn.close()
         listen.close()
 
     def _serve(self, conn: socket.socket) -> None:
         reader = FrameReader(max_bytes=self.max_bytes)
+        # one deadline for the whole handshake: a peer trickling a byte at a time is cut off
+        cutoff = threading.Timer(self.handshake_timeout, _shut, args=(conn,))
+        cutoff.daemon = True
         with conn:
             try:
-                self._handshake(conn, reader)
+                cutoff.start()
+                try:
+                    self._handshake(conn, reader)
+                finally:
+                    cutoff.cancel()
+                    self._handshakes.release()
             except (KvcoreError, OSError) as exc:
                 self._reject(conn, exc)
                 return
@@ -321,3 +343,9 @@ def _shutdown(sock: socket.socket) -> None:
 def _shutdown_quiet(sock: socket.socket | None) -> None:
     if sock is not None:
         _shutdown(sock)
+
+
+def _shut(conn: socket.socket) -> None:
+    """End a handshake that ran past its deadline: its pending ``recv`` returns."""
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)

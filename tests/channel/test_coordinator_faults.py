@@ -163,3 +163,42 @@ def test_broken_reply_fails_the_channel(
     assert not directory.path.exists()
     good.thread.join(timeout=5)
     assert not good.thread.is_alive()  # the healthy worker saw its connection close
+
+
+def test_a_worker_whose_backlog_is_full_times_out_instead_of_blocking(
+    directory: ChannelDirectory,
+) -> None:
+    """A listener that never accepts, its backlog full: the coordinator gives up at its
+    connect timeout (a plain blocking connect used to wait far past it)."""
+    path = str(socket_path(directory.path, 0))
+    listen = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listen.bind(path)
+    listen.listen(0)
+    fillers = []
+    try:
+        for _ in range(4):  # fill the backlog (non-blocking connects beyond it fail at once)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            try:
+                s.connect(path)
+            except (BlockingIOError, OSError):
+                s.close()
+                break
+            fillers.append(s)
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def connect() -> None:
+            try:
+                ChannelCoordinator(directory, world_size=1, connect_timeout=0.5)
+            except BaseException as exc:  # what the coordinator raised
+                errors.append(exc)
+            done.set()
+
+        threading.Thread(target=connect, daemon=True).start()
+        assert done.wait(30), "the coordinator blocked past its connect timeout"
+        assert errors and isinstance(errors[0], WorkerLost), errors
+    finally:
+        for s in fillers:
+            s.close()
+        listen.close()

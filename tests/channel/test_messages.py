@@ -21,6 +21,7 @@ from kvcore.channel.messages import (
     Reply,
     Request,
     Welcome,
+    decode_body,
     encode,
     recv_message,
 )
@@ -161,3 +162,15 @@ def test_recv_message_tells_clean_close_from_truncation() -> None:
         a.shutdown(socket.SHUT_WR)
         with pytest.raises(MalformedMessage, match="middle of a frame"):
             recv_message(b, FrameReader())
+
+
+def test_a_body_nested_past_the_recursion_limit_is_a_malformed_message() -> None:
+    body = b"[" * 200_000 + b"]" * 200_000
+    with pytest.raises(MalformedMessage, match="nested too deeply"):
+        decode_body(Kind.HELLO, body)
+
+
+def test_a_welcome_announcing_more_pages_than_any_device_holds_is_refused() -> None:
+    fields = {"rank": 0, "pid": 1, "num_pages": 1 << 60, "page_bytes": 1, "fixed_bytes": 0}
+    with pytest.raises(MalformedMessage, match="announces"):
+        decode_body(Kind.WELCOME, json.dumps(fields).encode())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import struct
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,8 +16,11 @@ import pytest
 
 from kvcore.channel import ChannelDirectory, WorkerListener
 from kvcore.channel.messages import (
+    MAGIC,
+    SCHEMA_VERSION,
     FrameReader,
     Hello,
+    Kind,
     Op,
     Reply,
     Request,
@@ -125,3 +129,72 @@ def test_one_listener_per_rank(mapper: LocalPageMapper, directory: ChannelDirect
     stale.start()
     assert _Session(stale.path, 1).welcome is not None
     stale.close()
+
+
+def test_a_handshake_has_one_deadline_not_one_per_byte(
+    mapper: LocalPageMapper, directory: ChannelDirectory
+) -> None:
+    """A peer sending a byte every 0.1 s never completes a Hello; with a 0.5 s handshake
+    deadline the worker cuts it off however steadily it trickles, and still serves the
+    coordinator that comes next."""
+    listener = WorkerListener(
+        mapper, rank=0, channel_dir=directory.path, handshake_timeout=0.5
+    ).start()
+    try:
+        slow = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        slow.settimeout(10)
+        slow.connect(str(listener.path))
+        # a well-formed header announcing a 1,000-byte Hello body, then that body a byte at
+        # a time: every recv of the worker gets data well within 0.5 s
+        slow.send(struct.pack("!4sHBBI", MAGIC, SCHEMA_VERSION, Kind.HELLO, 0, 1000))
+        slow.settimeout(0.1)
+        cut = False
+        for _ in range(100):  # 10 s of trickling at most
+            try:
+                slow.send(b" ")
+            except OSError:
+                cut = True
+                break
+            try:
+                slow.recv(4096)  # the worker's refusal, or b"": it ended the handshake
+                cut = True
+                break
+            except TimeoutError:
+                continue
+        slow.close()
+        assert cut, "the worker kept a trickling handshake open"
+        session = _Session(listener.path, 0)
+        assert isinstance(session.welcome, Welcome)
+        session.sock.close()
+    finally:
+        listener.close()
+
+
+def test_a_failed_thread_start_fails_that_connection_only(
+    mapper: LocalPageMapper, directory: ChannelDirectory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    listener = WorkerListener(mapper, rank=0, channel_dir=directory.path).start()
+    real_start = threading.Thread.start
+    failed: list[bool] = []
+
+    def start_once_failing(self: threading.Thread) -> None:
+        if self.name.endswith("-conn") and not failed:
+            failed.append(True)
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    try:
+        monkeypatch.setattr(threading.Thread, "start", start_once_failing)
+        first = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        first.settimeout(10)
+        first.connect(str(listener.path))
+        assert first.recv(16) == b""  # closed: no thread to serve it
+        first.close()
+        session = _Session(listener.path, 0)  # the accept loop still runs
+        assert isinstance(session.welcome, Welcome) and failed
+        session.sock.close()
+    finally:
+        monkeypatch.undo()
+        listener.close()
