@@ -428,6 +428,7 @@ class GpuLedger:
                     raise _refuse(path, "not a regular file")
                 if st.st_mode & 0o002:
                     raise _refuse(path, "writable by every user (kvcore creates 0600 or 0660)")
+                _check_owner(path, fd, st)
                 if size < _HEADER_SIZE:
                     raise _refuse(path, f"{size} bytes, shorter than a ledger header")
                 head = os.pread(fd, _HEADER_SIZE, 0)
@@ -463,9 +464,21 @@ class GpuLedger:
             self._check_usable()
             _lock_fd(self._fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, self.path)
             try:
+                self._check_size()
                 yield self._buf
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _check_size(self) -> None:
+        """Under the file lock: the file still covers the whole map. A file truncated under
+        the map would make the next access a SIGBUS; this raises ``LedgerError`` first."""
+        size = os.fstat(self._fd).st_size
+        if size < _FILE_SIZE:
+            raise LedgerError(
+                f"the ledger {self.path} was truncated to {size} bytes while in use",
+                hint="something outside kvcore damaged it: stop the instances on this GPU, "
+                "remove the file, restart them",
+            )
 
     def _check_usable(self) -> None:
         if self._fd < 0:
@@ -802,6 +815,30 @@ def _check_header(path: Path, head: bytes, size: int, expect_uuid: str | None) -
         raise _refuse(path, f"it belongs to device {stored!r}, not {expect_uuid!r}")
 
 
+def _check_owner(path: Path, fd: int, st: os.stat_result) -> None:
+    """Refuse a ledger another user owns, unless ``KVCORE_LEDGER_GROUP`` names the group the
+    file belongs to (sharing a GPU between users); refuse one with an access ACL (its
+    mode bits then do not say who may write it)."""
+    if st.st_uid != os.geteuid():
+        group = os.environ.get(GROUP_ENV, "")
+        try:
+            shared = bool(group) and grp.getgrnam(group).gr_gid == st.st_gid
+        except KeyError:
+            shared = False
+        if not shared:
+            raise _refuse(
+                path,
+                f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}); anyone "
+                f"could have created it first (to share a GPU between users, set {GROUP_ENV} "
+                "to the ledger's group)",
+            )
+    try:
+        os.getxattr(fd, "system.posix_acl_access")
+    except OSError:  # no ACL (ENODATA), or a file system without them
+        return
+    raise _refuse(path, "it carries an access ACL (kvcore ledgers rely on their mode bits)")
+
+
 def _create(path: Path, device_uuid: str, device_total: int) -> None:
     """Write a complete new ledger beside ``path`` and publish it atomically with
     ``link(2)``; losing the race to another creator is fine (theirs is used)."""
@@ -1113,6 +1150,11 @@ class LedgerGate:
             _lock_fd(led._fd, op, led.path, timeout=GATE_LOCK_WAIT_S)
         except BaseException:
             led._tlock.release()
+            raise
+        try:
+            led._check_size()  # a truncated file would SIGBUS on the read below
+        except LedgerError:
+            self._leave()
             raise
         state, _, _, _, token = _ID.unpack_from(led._buf, self._base + _ID_OFF)
         if state != State.ACTIVE or token != self._token:

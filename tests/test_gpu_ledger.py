@@ -8,6 +8,8 @@ import fcntl
 import grp
 import multiprocessing
 import os
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from multiprocessing.process import BaseProcess
@@ -722,3 +724,32 @@ def test_sizes_the_ledger_cannot_hold_are_refused_by_name(ledger: GpuLedger, siz
 
 def test_a_request_beyond_any_device_is_a_refusal(ledger: GpuLedger) -> None:
     assert gate(ledger, "a").try_acquire(1 << 64) is False
+
+
+def test_a_ledger_truncated_while_in_use_is_an_error_not_a_sigbus(ledger: GpuLedger) -> None:
+    a = gate(ledger, "a")
+    os.truncate(ledger.path, 100)
+    with pytest.raises(LedgerError, match="truncated to 100 bytes"):
+        a.try_acquire(MiB)
+    with pytest.raises(LedgerError, match="truncated"):
+        ledger.snapshot()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="handing the file to another uid needs root")
+def test_a_ledger_another_user_owns_is_refused_naming_the_owner(
+    ledger: GpuLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    os.chown(ledger.path, 54321, -1)  # planted by someone else (no such user needed)
+    with pytest.raises(LedgerError, match="owned by uid 54321"):
+        GpuLedger.open_path(ledger.path)
+    monkeypatch.setenv(gpu_ledger.GROUP_ENV, grp.getgrgid(os.stat(ledger.path).st_gid).gr_name)
+    GpuLedger.open_path(ledger.path).close()  # the configured group shares it
+
+
+@pytest.mark.skipif(shutil.which("setfacl") is None, reason="setfacl is not installed")
+def test_a_ledger_with_an_acl_is_refused(ledger: GpuLedger) -> None:
+    done = subprocess.run(["setfacl", "-m", "u:54321:rw", str(ledger.path)], check=False)
+    if done.returncode != 0:
+        pytest.skip("this file system takes no ACLs")
+    with pytest.raises(LedgerError, match="ACL"):
+        GpuLedger.open_path(ledger.path)
