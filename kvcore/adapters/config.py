@@ -84,9 +84,9 @@ class ElasticConfig:
 
             try:
                 value = json.loads(value)
-            except json.JSONDecodeError as exc:
+            except (json.JSONDecodeError, RecursionError, ValueError) as exc:
                 raise UnsupportedConfiguration(
-                    f"--kvcore-config is not valid JSON: {exc}",
+                    f"--kvcore-config is not valid JSON: {str(exc)[:200]}",
                     hint="pass a JSON object, e.g. '{\"limit_bytes\": 8589934592}'",
                 ) from None
         if not isinstance(value, Mapping):
@@ -107,8 +107,17 @@ class ElasticConfig:
             _check_int(kwargs, name, optional=False)
         if not isinstance(kwargs.get("backend", "cuda"), str):
             raise UnsupportedConfiguration("--kvcore-config: backend must be a string")
-        if not isinstance(kwargs.get("backend_options", {}), Mapping):
+        options = kwargs.get("backend_options", {})
+        if not isinstance(options, Mapping):
             raise UnsupportedConfiguration("--kvcore-config: backend_options must be an object")
+        for key, option in options.items():  # scalars only: the backends take sizes, names
+            if not isinstance(option, (str, int, float, bool)) or (
+                isinstance(option, int) and not isinstance(option, bool) and option > _MAX_INT
+            ):
+                raise UnsupportedConfiguration(
+                    f"--kvcore-config: backend_options.{key} must be a number, string or "
+                    f"boolean no larger than 2**56, got {str(option)[:80]}"
+                )
         for name in ("sanity", "gpu_ledger"):
             if not isinstance(kwargs.get(name, False), bool):
                 raise UnsupportedConfiguration(f"--kvcore-config: {name} must be true or false")

@@ -59,3 +59,12 @@ def test_gate_with_ledger_registers_the_instance_with_its_limit(tmp_path: Path) 
 def test_sizes_beyond_any_device_are_refused_by_name(key: str) -> None:
     with pytest.raises(UnsupportedConfiguration, match=rf"{key} must be an integer in 0 \.\. 2"):
         ElasticConfig.parse({key: 1 << 64})
+
+
+def test_deeply_nested_or_odd_backend_options_are_refused_by_name() -> None:
+    with pytest.raises(UnsupportedConfiguration, match="not valid JSON"):
+        ElasticConfig.parse('{"backend_options": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(UnsupportedConfiguration, match=r"backend_options\.device_bytes"):
+        ElasticConfig.parse({"backend_options": {"device_bytes": {"nested": [1]}}})
+    with pytest.raises(UnsupportedConfiguration, match=r"backend_options\.granularity"):
+        ElasticConfig.parse({"backend_options": {"granularity": 1 << 70}})
