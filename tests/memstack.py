@@ -10,7 +10,7 @@ stay host-only.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +52,24 @@ class PageThreadHold:
     def release(self) -> None:
         self.armed = False
         self._go.set()
+
+    def call_past(
+        self, fn: Callable[[], Any], *, started: Callable[[list[Any]], None] | None = None
+    ) -> Any:
+        """``fn()`` on another thread while the page thread is held; the hold is lifted
+        only if ``fn`` is still waiting for it after a while (so a call that gives up on
+        pages in flight is seen to return at once). ``started(results)`` runs once ``fn``'s
+        thread is going. Returns what ``fn`` returned."""
+        got: list[Any] = []
+        caller = threading.Thread(target=lambda: got.append(fn()))
+        caller.start()
+        if started is not None:
+            started(got)
+        caller.join(0.5)
+        self.release()
+        caller.join(10.0)
+        assert not caller.is_alive() and got
+        return got[0]
 
     def _hold(self) -> None:
         if self.armed and threading.current_thread().name == "kvcore-page-refill":

@@ -709,14 +709,8 @@ def _acquire_while_held(stack: MemStack, n: int) -> list[int] | None:
     call; the hold is lifted only if that acquire is still waiting for it after a while, so
     an acquire that gives up on pages in flight is seen to return at once."""
     assert stack.hold is not None and stack.hold.entered.wait(10.0)
-    got: list[list[int] | None] = []
-    caller = threading.Thread(target=lambda: got.append(stack.pages.acquire(n)))
-    caller.start()
-    caller.join(0.5)
-    stack.hold.release()
-    caller.join(10.0)
-    assert not caller.is_alive()
-    return got[0]
+    result: list[int] | None = stack.hold.call_past(lambda: stack.pages.acquire(n))
+    return result
 
 
 def test_an_acquire_waits_for_pages_being_unmapped_instead_of_missing(backend: str) -> None:

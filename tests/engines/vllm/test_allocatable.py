@@ -10,7 +10,6 @@ upstream's pool would have served it.
 from __future__ import annotations
 
 import random
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,15 +47,12 @@ def test_a_request_fits_while_the_pages_freed_for_it_are_still_unmapping(
     # the pool is empty again; hold the background unmap of the pages the requests left
     hold.armed = True
     eng.add("b", _prompt(9, 16 * (total - 2)), max_tokens=1)
-    out: list[Any] = []
-    stepper = threading.Thread(target=lambda: out.append(eng.step()))
-    stepper.start()
-    assert hold.entered.wait(10.0) or out  # the unmap is in flight (or already done)
-    stepper.join(0.5)
-    hold.release()
-    stepper.join(10.0)
-    assert not stepper.is_alive() and out
-    scheduled = [r.req_id for r in out[0].scheduled_new_reqs]
+
+    def in_flight(out: list[Any]) -> None:
+        assert hold.entered.wait(10.0) or out  # the unmap is in flight (or already done)
+
+    stepped = hold.call_past(eng.step, started=in_flight)
+    scheduled = [r.req_id for r in stepped.scheduled_new_reqs]
     assert scheduled == ["b"], "upstream's pool would have scheduled it in this step"
     pages = eng.memory.pages
     assert pages is not None and pages.stats().misses == 0
