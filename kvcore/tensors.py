@@ -758,9 +758,10 @@ class LocalPageMapper:
                 except VmmError:  # the range is still mapped: the failed unmap did nothing
                     slots[i] = old
                     return
-                slots[i] = _EMPTY if old is _BACKED else old  # BACKED: access comes next
                 if old is _BACKED:
-                    self._grant(page, i, va, size)
+                    slots[i] = _EMPTY  # until access is granted
+                    self._grant(va, size)
+                slots[i] = old
                 return
             self.cache._unmap_piecewise(va, size)
         slots[i] = _EMPTY
@@ -768,13 +769,12 @@ class LocalPageMapper:
             self.cache._map_zero_range(va, size)
         elif target is _BACKED:
             backend.map(va, size, page.handles[i])
-            self._grant(page, i, va, size)
+            self._grant(va, size)
         slots[i] = target
 
-    def _grant(self, page: _Page, i: int, va: int, size: int) -> None:
-        """Make slot ``i``, just mapped to the page's handle, read-write, recording it
-        ``BACKED``; if that fails, unmap it again (``_Broken`` when even that fails) and
-        raise, the slot ``EMPTY``."""
+    def _grant(self, va: int, size: int) -> None:
+        """Make a slot just mapped to its page's handle read-write; if that fails, unmap it
+        again (``_Broken`` when even that fails) and raise: the slot is then empty."""
         backend = self.backend
         try:
             backend.set_access(va, size, writable=True)
@@ -784,7 +784,6 @@ class LocalPageMapper:
             except VmmError as err:
                 raise _Broken(va, size) from err
             raise
-        page.slots[i] = _BACKED
 
     # -- handles -------------------------------------------------------------------------
 

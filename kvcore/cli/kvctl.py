@@ -146,8 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kvctl`` with ``argv`` (default: the command line); returns the exit status."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(_NEGATIVE.match(a) for a in argv):  # "-5G" is a (bad) size, not an option
-        bad = next(a for a in argv if _NEGATIVE.match(a))
+    bad = next((a for a in argv if _NEGATIVE.match(a)), None)
+    if bad is not None:  # "-5G" is a (bad) size, not an option
         print(f"kvctl: {bad!r}: a size cannot be negative; use {ACCEPTED}", file=sys.stderr)
         return EXIT_USAGE
     args = parser.parse_args(argv)
