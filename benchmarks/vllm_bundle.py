@@ -16,6 +16,7 @@ stays warm). What goes in:
 * cp312 manylinux wheels of vLLM's runtime requirements the image lacks, resolved by pip
   for the target platform and pinned in the manifest (GPU kernel libraries vLLM lists but a
   dense model on FA3 never imports, and everything the image has, left out);
+* ``TOOLS``: the profiler ``benchmarks/vllm_serve.py --py-spy`` runs there;
 * the offline model directories of ``benchmarks/offline_model.py``.
 
     python benchmarks/vllm_bundle.py --version 0.33.0 --out .vdev/0.33.0
@@ -85,6 +86,9 @@ SKIPPED = re.compile(
 )
 """Wheel members not carried (not loaded serving a dense model with FA3 on an H200)."""
 
+TOOLS = ("py-spy==0.4.1",)
+"""Carried beside vLLM's requirements: what the benchmarks run on the GPU machine."""
+
 PLATFORMS = ("manylinux_2_34", "manylinux_2_31", "manylinux_2_28", "manylinux_2_27",
              "manylinux_2_26", "manylinux_2_24", "manylinux_2_17", "manylinux2014",
              "manylinux1")  # fmt: skip
@@ -128,7 +132,7 @@ def resolve(wheel: Path, python: str, work: Path) -> list[tuple[str, str, str]]:
     """``(name, version, url)`` of every wheel to carry: pip's resolution of the forked
     wheel's runtime requirements for the target platform, less what the image has."""
     req_file = work / "requirements.txt"
-    req_file.write_text("\n".join(_requirements(wheel)) + "\n")
+    req_file.write_text("\n".join([*_requirements(wheel), *TOOLS]) + "\n")
     report = work / "report.json"
     if report.exists() and (work / "requirements.used").read_text() == req_file.read_text():
         print("reusing the last resolution (delete work/report.json to resolve again)")

@@ -8,9 +8,12 @@ servers hold memory but no compute and the rounds can interleave:
 * ``off``: upstream code, vLLM's default layout (LBNHC with FLASH_ATTN and TRITON_ATTN);
 * ``off-blnhc`` / ``off-blhnc``: upstream code on a block-outermost layout
   (``VLLM_KV_CACHE_LAYOUT``), what the layout alone costs;
-* ``on``: ``--kvcore-elastic`` on the layout it resolves (BLNHC, the block-outermost form of
-  vLLM's choice: one row of every layer per block id); ``on-lbnhc``: elastic KV on vLLM's
-  own LBNHC (kvcore's per-layer ranges); ``on-blhnc``: elastic KV on BLHNC.
+* ``on``: ``--kvcore-elastic`` on the layout it resolves (on one GPU vLLM's own, LBNHC with
+  FLASH_ATTN and TRITON_ATTN: kvcore's per-layer ranges); ``on-blnhc`` / ``on-blhnc``:
+  elastic KV on a block-outermost layout (one row of every layer per block id, what
+  TP x PP runs); ``on-reserve``: elastic KV with a reserve of 8 to 32 idle pages mapped
+  ahead by the background thread (``reserve_min`` / ``reserve_max``), so that the
+  scheduler's thread takes new pages without a driver call.
 
 Then ``--repeats`` rounds: in each, every rate of ``--rates`` is sent to every server in turn
 (the order rotates between rounds) by vLLM's own benchmark client (``vllm bench serve``'s
@@ -19,8 +22,13 @@ Then ``--repeats`` rounds: in each, every rate of ``--rates`` is sent to every s
 another's prefix cache). The first round of an elastic server maps its pages from cold; the
 table gives medians over all rounds and, apart, the first round's ratio. While the servers
 run, device memory in use is sampled through NVML, device-wide and per server process group
-where NVML names the processes. The JSON written to ``--out`` holds every client result and
-the memory series.
+where NVML names the processes. Each client result carries, for its server and its run, the
+CPU seconds its processes spent by process name (``/proc``) and the deltas of the server's
+Prometheus counters (preemptions, prefix-cache hits, generated tokens). With ``--py-spy``,
+the run at rate ``--py-spy-rate`` of round ``--py-spy-round`` of every server is sampled by
+``py-spy record`` (every process of the server, raw collapsed stacks next to ``--out``), so
+the modes' CPU time can be compared frame by frame. The JSON written to ``--out`` holds every
+client result and the memory series.
 
     bash benchmarks/vllm_device.sh run python3 benchmarks/vllm_serve.py \\
         --models $KVDEV/models/qwen3-0.6b --out $OUT/serve.json
@@ -48,15 +56,17 @@ from pathlib import Path
 from typing import Any
 
 CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
-MODES: dict[str, tuple[bool, str | None]] = {
-    "off": (False, None),
-    "off-blnhc": (False, "BLNHC"),
-    "off-blhnc": (False, "BLHNC"),
-    "on": (True, None),
-    "on-lbnhc": (True, "LBNHC"),
-    "on-blhnc": (True, "BLHNC"),
+MODES: dict[str, tuple[bool, str | None, dict[str, int]]] = {
+    "off": (False, None, {}),
+    "off-blnhc": (False, "BLNHC", {}),
+    "off-blhnc": (False, "BLHNC", {}),
+    "on": (True, None, {}),
+    "on-reserve": (True, None, {"reserve_min": 8, "reserve_max": 32}),
+    "on-blnhc": (True, "BLNHC", {}),
+    "on-blhnc": (True, "BLHNC", {}),
 }
-"""Mode -> (elastic KV, ``VLLM_KV_CACHE_LAYOUT`` or None for the engine's own choice)."""
+"""Mode -> (elastic KV, ``VLLM_KV_CACHE_LAYOUT`` or None for the engine's own choice, the
+mode's own ``--kvcore-config`` keys, merged over ``--kvcore-config``)."""
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 GiB = 1 << 30
 
@@ -104,6 +114,72 @@ class MemorySampler:
         return self.series
 
 
+COUNTERS = (
+    "vllm:num_preemptions_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:generation_tokens_total",
+    "vllm:prompt_tokens_total",
+)
+"""Prometheus counters of the server whose change over each run is recorded."""
+
+
+def _counters(port: int) -> dict[str, float]:
+    """The server's ``COUNTERS`` (summed over labels) from its ``/metrics``; {} on failure."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    got: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split(" ", 1)[0].split("{", 1)[0]
+        if name in COUNTERS:
+            with contextlib.suppress(ValueError, IndexError):
+                got[name] = got.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return got
+
+
+def _procs() -> list[tuple[int, str, list[str]]]:
+    """Every live process: pid, name and the ``/proc/<pid>/stat`` fields after the name
+    (state, ppid, pgrp, session, ..., utime at 11, stime at 12)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name = text[text.find("(") + 1 : text.rfind(")")]
+        found.append((int(stat.parent.name), name, text.rsplit(")", 1)[1].split()))
+    return found
+
+
+def _cpu_seconds(session: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the live processes of ``session``, by name."""
+    tick = os.sysconf("SC_CLK_TCK")
+    got: dict[str, float] = {}
+    for _, name, fields in _procs():
+        if int(fields[3]) == session:
+            got[name] = got.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return got
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: round(v - before.get(k, 0.0), 3) for k, v in after.items()}
+
+
+def _engine_cores(session: int) -> list[int]:
+    """The live ``EngineCore`` processes of ``session`` (vLLM names them ``VLLM::EngineCore``,
+    cut to 15 characters; a zombie no longer counts)."""
+    return [
+        pid
+        for pid, name, fields in _procs()
+        if "EngineCor" in name and fields[0] != "Z" and int(fields[3]) == session
+    ]
+
+
 def _session_of(pid: int) -> int | None:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -116,7 +192,7 @@ class Server:
     """One ``vllm serve`` in its own session, its output in ``log``."""
 
     def __init__(self, model: str, mode: str, port: int, args: Any, workdir: Path) -> None:
-        elastic, layout = MODES[mode]
+        elastic, layout, own = MODES[mode]
         self.mode, self.port = mode, port
         env = dict(os.environ, VLLM_CACHE_ROOT=str(workdir / f"cache-{mode}"))
         env.pop("VLLM_KV_CACHE_LAYOUT", None)
@@ -130,8 +206,9 @@ class Server:
             cmd.append("--enforce-eager")
         if elastic:
             cmd.append("--kvcore-elastic")
-            if args.kvcore_config:
-                cmd += ["--kvcore-config", args.kvcore_config]
+            config = {**json.loads(args.kvcore_config or "{}"), **own}
+            if config:
+                cmd += ["--kvcore-config", json.dumps(config)]
         self.log_path = workdir / f"serve-{Path(model).name}-{mode}.log"
         self._log = self.log_path.open("ab")
         self.t0 = time.monotonic()
@@ -156,6 +233,15 @@ class Server:
         return ok
 
     def stop(self) -> None:
+        """The engine core first (SIGTERM: it shuts down and exits, so kvcore's shutdown
+        summary reaches the log; vLLM's own SIGINT path kills it at once), then the server."""
+        if self.proc.poll() is None:
+            for pid in _engine_cores(self.proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while _engine_cores(self.proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.5)
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
             try:
@@ -164,6 +250,32 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
+
+
+class _PySpy:
+    """``py-spy record`` of every process of one server (raw collapsed stacks in ``path``)
+    from construction to ``stop()``."""
+
+    def __init__(self, server: Server, path: Path) -> None:
+        self.path = path
+        self.proc = subprocess.Popen(
+            ["py-spy", "record", "--pid", str(server.proc.pid), "--subprocesses",
+             "--rate", "200", "--format", "raw", "--output", str(path), "--nonblocking"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        time.sleep(1.0)  # attach before the load starts
+
+    def stop(self) -> str:
+        """Stop sampling; the output file's name, or py-spy's complaint."""
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            _, err = self.proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        if self.path.exists():
+            return self.path.name
+        return f"py-spy failed ({self.proc.returncode}): {err.decode(errors='replace')[-500:]}"
 
 
 def _bench(model: str, port: int, rate: str, seed: int, args: Any) -> dict[str, Any]:
@@ -206,7 +318,15 @@ def run_model(model: str, args: Any, workdir: Path, results: list[dict[str, Any]
             for rate in args.rates:
                 for s in order:
                     sampler.phase = f"{s.mode} rate={rate} round={r}"
+                    spy = None
+                    if args.py_spy and r == args.py_spy_round and rate == args.py_spy_rate:
+                        spy = _PySpy(s, args.out.parent / f"pyspy-{Path(model).name}-{s.mode}.txt")
+                    cpu0, count0 = _cpu_seconds(s.proc.pid), _counters(s.port)
                     got = _bench(model, s.port, rate, seed=r, args=args)
+                    got["cpu_s"] = _delta(_cpu_seconds(s.proc.pid), cpu0)
+                    got["counters"] = _delta(_counters(s.port), count0)
+                    if spy is not None:
+                        got["py_spy"] = spy.stop()
                     runs.append({"mode": s.mode, "rate": rate, "round": r, **got})
                     _write(args, results)
                     sampler.phase = "idle"
@@ -271,7 +391,14 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--port", type=int, default=8011, help="first server's port")
     parser.add_argument("--start-timeout", type=float, default=420.0)
+    parser.add_argument(
+        "--py-spy", action="store_true", help="sample one run per server with py-spy"
+    )
+    parser.add_argument("--py-spy-round", type=int, default=1)
+    parser.add_argument("--py-spy-rate", default="inf")
     args = parser.parse_args()
+    # `timeout` and the device tool stop a run with SIGTERM: unwind, so the servers stop
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if "off" not in args.modes:
         parser.error("--modes must include off: ratios are to upstream")
     results: list[dict[str, Any]] = []
