@@ -22,7 +22,11 @@ Transitions (DESIGN.md section 5):
     again), ``PoolFailed`` when the mapper can no longer vouch for its state.
 ``prepare_unmap(ids)``
     mapped -> unmap prepared. Synchronises the device so no running kernel reads the pages,
-    replaces their mappings with the read-only zero page, keeps the physical handles.
+    replaces their mappings with the read-only zero page, keeps the physical handles. The
+    page allocator's background thread calls it while another thread may call ``map`` on
+    other pages, so a mapper must accept that; ``LocalPageMapper`` waits for the device
+    outside its lock, so such a ``map`` does not wait for the device (the channel
+    coordinator still holds its lock through the workers' exchange).
 ``commit_unmap(ids)``
     unmap prepared -> unbacked. Releases (or pools) the handles. Idempotent.
 ``abort_unmap(ids)``

@@ -851,9 +851,10 @@ class PageAllocator:
         """Unmap ``UNMAPPING`` pages (background thread only) and return their bytes.
         ``False`` when the prepare failed and the pages went back to the reserve."""
         try:
-            with self._mapper_lock:
-                self._calls_refill += 1
-                self._mapper.prepare_unmap(pages)
+            # not under _mapper_lock: the prepare waits for the device (mapper.py), and an
+            # acquire mapping other pages on the engine's thread meanwhile must not wait too
+            self._calls_refill += 1  # written by this thread only
+            self._mapper.prepare_unmap(pages)
         except PageQuarantined as exc:
             bad = _named_or_all(exc.page_ids, pages)
             self._settle_unmap_failure(pages, bad)

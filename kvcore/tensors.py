@@ -564,7 +564,13 @@ class LocalPageMapper:
                 return
             if self._check_zero:
                 self._sanity()
-            self.backend.synchronize()  # no kernel in flight still reads these pages
+        # no kernel submitted so far still reads these pages once this returns; waited for
+        # outside the lock, so a map of other pages meanwhile never waits for the device
+        self.backend.synchronize()
+        with self._lock:
+            if self._closed or self._failed is not None:
+                self._usable()
+            ids = self._validate("prepare_unmap", ids, _MAPPED_S)
             self._transact(ids, _ZERO, _BACKED, _PREPARED_S, _MAPPED_S)
 
     def commit_unmap(self, page_ids: Sequence[int]) -> None:

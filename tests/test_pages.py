@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -797,3 +798,46 @@ def test_a_stuck_ledger_lock_is_a_miss_never_a_failed_allocator(
         stack.close()
         g.close()
         ledger.close()
+
+
+class _HeldSync:
+    """Stands in for a backend's ``synchronize`` that waits for a busy device: the page
+    thread's call is held until ``go`` is set (``entered`` once it is waiting); any other
+    thread's passes at once."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def __call__(self) -> None:
+        if threading.current_thread().name == "kvcore-page-refill":
+            self.entered.set()
+            assert self.go.wait(10.0), "the test never let the device sync finish"
+        self.inner()
+
+
+def test_a_map_on_the_engine_thread_does_not_wait_for_a_background_unmaps_device_sync(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The page thread unmapping a released page waits for the device; an acquire that maps
+    another page meanwhile (the engine's thread, no reserve) goes ahead and maps it."""
+    stack = build_stack(num_blocks=32, blocks_per_page=4)
+    sync = _HeldSync(stack.vmm.synchronize)
+    monkeypatch.setattr(stack.vmm, "synchronize", sync)
+    try:
+        first = stack.pages.acquire(1)
+        assert first is not None
+        stack.pages.release(first)  # no reserve: queued for the page thread's unmap
+        assert sync.entered.wait(10.0)
+        got: list[Any] = []
+        caller = threading.Thread(target=lambda: got.append(stack.pages.acquire(1)))
+        caller.start()
+        caller.join(10.0)  # before the fix it waited for the held sync: this join ran out
+        assert not caller.is_alive() and got[0] is not None
+        assert got[0][0] in stack.mapped_pages() and first[0] in stack.mapped_pages()
+    finally:
+        sync.go.set()
+    assert stack.pages.flush()
+    assert first[0] not in stack.mapped_pages()  # the held unmap then went through
+    stack.close()
