@@ -6,15 +6,18 @@ buffer's allocation); what they call is here:
 * ``runtime`` — ``elastic_settings`` (start-up validation, the engine core),
   ``elastic_kv_buffer`` (the worker's KV buffer on a kvcore virtual tensor),
   ``elastic_block_pool_class`` (the scheduler's block pool);
-* ``layouts`` — ``elastic_kv_cache_layouts`` (the engine core resolves a block-outermost KV
-  cache layout);
+* ``layouts`` — ``elastic_kv_cache_layouts`` (the engine core resolves a KV cache layout
+  kvcore can back);
 * ``warmup`` — ``warmup_blocks`` (the worker's start-up warm-up writes only backed blocks);
 * ``pool`` — ``ElasticBlockPool``, vLLM's own ``BlockPool`` over a kvcore ``BlockLedger``;
 * ``checks`` — which vLLM configurations elastic KV supports.
 
 Importing ``runtime`` does not import vLLM; ``pool`` does (it subclasses vLLM's class).
+Importing this package routes kvcore's log records through vLLM's ``vllm`` logger
+(``kvcore.adapters.engine_logging``), so they show in the engine's output.
 """
 
+from kvcore.adapters.engine_logging import follow_engine_logger
 from kvcore.adapters.vllm.layouts import elastic_kv_cache_layouts
 from kvcore.adapters.vllm.runtime import (
     elastic_block_pool_class,
@@ -23,6 +26,8 @@ from kvcore.adapters.vllm.runtime import (
     manager_for,
 )
 from kvcore.adapters.vllm.warmup import warmup_blocks
+
+follow_engine_logger("vllm")
 
 __all__ = [
     "elastic_block_pool_class",
