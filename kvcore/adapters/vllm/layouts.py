@@ -7,18 +7,18 @@ backends support, most preferred first. FLASH_ATTN and TRITON_ATTN declare no pr
 vLLM takes ``LBNHC``: layer-outermost, each layer's blocks in a region of their own.
 
 kvcore backs a block-compact layout, where the layer and block axes come first (a block of
-a layer is one contiguous cell): block-outermost (``BLNHC``, ``BLHNC``: one row of every
-layer per block id, ``compound``) and, on one GPU, layer-outermost (``LBNHC``, ``LBHNC``: a
-range per layer, ``per-layer``; ``groups.engine_layout``). kvcore's TP x PP channel serves
-compound rows only. ``elastic_kv_cache_layouts`` is called by the engine core (patch
-``v1/engine: elastic KV resolves a KV cache layout kvcore can back``) on the workers' lists
-before ``resolve_kv_cache_layout``, and keeps the layouts kvcore can back there: first the
-block-outermost form of each supported layout (``B`` moved to the front: ``LBNHC`` ->
-``BLNHC``, ``LBHNC`` -> ``BLHNC``; a layer's block keeps the ``[N, H, C]`` order the kernels
-prefer), in the backends' order, then, on one GPU, the supported layer-outermost ones. So
-vLLM resolves ``BLNHC`` for FLASH_ATTN and TRITON_ATTN unless ``VLLM_KV_CACHE_LAYOUT`` asks
-for another layout kvcore can back (``LBNHC``: kvcore's per-layer ranges); ``docs/vllm.md``
-("KV cache layout") says why the block-outermost form is the default.
+a layer is one contiguous cell): layer-outermost (``LBNHC``, ``LBHNC``: a range per layer,
+``per-layer``; ``groups.engine_layout``) on one GPU, and block-outermost (``BLNHC``,
+``BLHNC``: one row of every layer per block id, ``compound``) everywhere. kvcore's TP x PP
+channel serves compound rows only. ``elastic_kv_cache_layouts`` is called by the engine core
+(patch ``v1/engine: elastic KV resolves a KV cache layout kvcore can back``) on the workers'
+lists before ``resolve_kv_cache_layout`` and keeps the layouts kvcore can back there. On one
+GPU that is each backend's own list in its own order, then the block-outermost forms
+(``B`` moved to the front: ``LBNHC`` -> ``BLNHC``; a layer's block keeps its ``[N, H, C]``
+order), so vLLM resolves the layout it would without elastic KV (``LBNHC`` for FLASH_ATTN
+and TRITON_ATTN) and the kernels see upstream's tensors. Under TP x PP only the
+block-outermost forms remain (``BLNHC``). ``VLLM_KV_CACHE_LAYOUT`` may ask for any layout
+kvcore can back; ``docs/vllm.md`` ("KV cache layout") says what each costs.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def elastic_kv_cache_layouts(
 ) -> list[list[str]]:
     """The layouts of ``supported`` (one list of layout names per worker, as
     ``Executor.get_supported_kv_cache_layouts`` returns them) that kvcore can back in this
-    engine (``backable_layouts``): each worker's block-outermost forms of its layouts first,
-    in its backends' order, then its layer-outermost ones kvcore can back (one GPU only).
+    engine (``backable_layouts``): on one GPU each worker's own layouts in its backends'
+    order, then their block-outermost forms; under TP x PP the block-outermost forms only.
     For the engine core to pass to ``resolve_kv_cache_layout`` instead of ``supported`` when
     elastic KV is on.
 
@@ -82,7 +82,8 @@ def elastic_kv_cache_layouts(
     narrowed: list[list[str]] = []
     for names in supported:
         offered = list(names)
-        forms = [block_outermost_form(n) for n in offered] + offered
+        outer = [block_outermost_form(n) for n in offered]
+        forms = outer + offered if channel else offered + outer
         keep = list(dict.fromkeys(f for f in forms if f in offered and f in backable))
         if not keep:
             raise UnsupportedConfiguration(

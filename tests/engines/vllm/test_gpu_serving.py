@@ -3,9 +3,9 @@
 Each engine runs in its own process (``gpu_generate.py``) over the offline model directory
 of ``benchmarks/offline_model.py`` (``KVCORE_MODEL_DIR``; dummy weights, seeded, so every
 launch has the same weights). Greedy tokens with elastic KV on must equal upstream's, token
-for token, upstream on vLLM's default KV cache layout, elastic KV on its block-outermost form
-(and both on LBNHC, which kvcore backs per layer); the engines of those pairs run side by
-side (``KVCORE_GPU_PARALLEL``). A
+for token, both on vLLM's default KV cache layout (LBNHC, which kvcore backs with a range per
+layer), and with elastic KV on the block-outermost BLNHC (one row per block id, what TP x PP
+runs); the engines of those pairs run side by side (``KVCORE_GPU_PARALLEL``). A
 tight ``limit_bytes`` that makes requests wait is compared under vLLM's batch-invariant mode
 (``VLLM_BATCH_INVARIANT=1`` on both sides), where a different batch composition cannot
 change a float. The driver's free memory must fall while KV fills, come back once requests
@@ -130,18 +130,21 @@ def assert_same_tokens(off: dict[str, Any], on: dict[str, Any]) -> None:
     assert all(len(t) == 48 for t in on["tokens"])
 
 
-PAIRS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
-    "v2-compiled-flash-attn": ((), {}),
-    "v2-eager-flash-attn": (("--enforce-eager",), {}),
-    "v2-compiled-triton": (("--attention-backend", "TRITON_ATTN"), {}),
-    "v2-eager-triton": (("--enforce-eager", "--attention-backend", "TRITON_ATTN"), {}),
-    "v1-eager-flash-attn": (("--enforce-eager",), {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
-    "v2-compiled-flash-attn-fp8": (("--kv-cache-dtype", "fp8"), {}),
-    "v2-compiled-flash-attn-lbnhc": ((), {"VLLM_KV_CACHE_LAYOUT": "LBNHC"}),
+BLNHC = {"VLLM_KV_CACHE_LAYOUT": "BLNHC"}
+PAIRS: dict[str, tuple[tuple[str, ...], dict[str, str], dict[str, str]]] = {
+    "v2-compiled-flash-attn": ((), {}, {}),
+    "v2-eager-flash-attn": (("--enforce-eager",), {}, {}),
+    "v2-compiled-triton": (("--attention-backend", "TRITON_ATTN"), {}, {}),
+    "v2-eager-triton": (("--enforce-eager", "--attention-backend", "TRITON_ATTN"), {}, {}),
+    "v1-eager-flash-attn": (("--enforce-eager",), {"VLLM_USE_V2_MODEL_RUNNER": "0"}, {}),
+    "v2-compiled-flash-attn-fp8": (("--kv-cache-dtype", "fp8"), {}, {}),
+    "v2-compiled-flash-attn-blnhc": ((), {}, BLNHC),
+    "v2-compiled-triton-blnhc": (("--attention-backend", "TRITON_ATTN"), {}, BLNHC),
 }
-"""Engine configurations compared elastic on vs off: model runner (V2, V1), attention backend,
-torch.compile + CUDA graphs or eager, KV cache dtype. Async scheduling, prefix caching and
-chunked prefill are vLLM's defaults in all of them."""
+"""Engine configurations compared elastic on vs off: flags and environment of both sides
+(model runner V2 or V1, attention backend, torch.compile + CUDA graphs or eager, KV cache
+dtype), then the elastic side's own environment (its KV cache layout). Async scheduling,
+prefix caching and chunked prefill are vLLM's defaults in all of them."""
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +159,10 @@ def pair_reports(request: pytest.FixtureRequest) -> dict[tuple[str, bool], Any]:
     jobs = [(pair, elastic) for pair in wanted for elastic in (False, True)]
 
     def one(job: tuple[str, bool]) -> Any:
-        flags, env = PAIRS[job[0]]
-        side = ("--elastic",) if job[1] else ()
+        flags, env, elastic_env = PAIRS[job[0]]
+        side: tuple[str, ...] = ()
+        if job[1]:
+            side, env = ("--elastic",), {**env, **elastic_env}
         sizes = ("--gpu-memory-utilization", PAIR_UTILIZATION, "--kv-cache-memory-bytes",
                  PAIR_KV_BYTES)  # fmt: skip
         return run_engine(*flags, *sizes, *side, env=env)
@@ -171,15 +176,15 @@ def pair_reports(request: pytest.FixtureRequest) -> dict[tuple[str, bool], Any]:
 def test_elastic_tokens_equal_upstream(pair: str, pair_reports: dict[Any, Any]) -> None:
     """Start-up (warm-up, CUDA graphs where compiled), prefix-cache hits and chunked prefill
     of long prompts: greedy tokens with elastic KV on equal upstream's, token for token.
-    Upstream runs vLLM's default KV cache layout (LBNHC), elastic KV its block-outermost
-    form (BLNHC: one row per block id), unless the pair sets ``VLLM_KV_CACHE_LAYOUT`` for
-    both (LBNHC: elastic KV backs it with one range per layer)."""
+    Upstream runs vLLM's default KV cache layout (LBNHC), and so does elastic KV (one range
+    per layer) unless the pair sets its ``VLLM_KV_CACHE_LAYOUT`` (BLNHC: one row per block
+    id)."""
     off, on = pair_reports[(pair, False)], pair_reports[(pair, True)]
     for report in (off, on):
         if isinstance(report, str):
             pytest.fail(report)
-    asked = PAIRS[pair][1].get("VLLM_KV_CACHE_LAYOUT")
-    assert (resolved_layout(off), resolved_layout(on)) == (asked or "LBNHC", asked or "BLNHC")
+    asked = PAIRS[pair][2].get("VLLM_KV_CACHE_LAYOUT")
+    assert (resolved_layout(off), resolved_layout(on)) == ("LBNHC", asked or "LBNHC")
     assert_same_tokens(off, on)
 
 

@@ -4,9 +4,9 @@ Runs in the ``test-vllm-*`` nox sessions (the forked wheel, no GPU). The layouts
 real attention backends through vLLM's own ``get_supported_kv_cache_layouts`` and are resolved
 by vLLM's own ``resolve_kv_cache_layout``, as the engine core does (``core.py`` passes them
 through ``elastic_kv_cache_layouts`` first when elastic KV is on). Models planned on the
-layouts elastic KV runs (block-outermost BLNHC, its default; layer-outermost LBNHC on one GPU,
-by ``VLLM_KV_CACHE_LAYOUT``) then serve under the real scheduler with vLLM's views over
-kvcore's memory.
+layouts elastic KV runs (layer-outermost LBNHC, vLLM's own and elastic KV's on one GPU;
+block-outermost BLNHC, its form under TP x PP or by ``VLLM_KV_CACHE_LAYOUT``) then serve
+under the real scheduler with vLLM's views over kvcore's memory.
 """
 
 from __future__ import annotations
@@ -56,13 +56,19 @@ def _resolve(config: Any, supported: list[list[str]]) -> Any:
     return resolve_kv_cache_layout(config, elastic_kv_cache_layouts(config, supported), [])
 
 
-@pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("backend", [FlashAttentionBackend, TritonAttentionBackend])
-def test_elastic_resolves_the_block_outermost_form_of_vllms_choice(backend: type, tp: int) -> None:
+def test_elastic_resolves_vllms_own_layout_on_one_gpu(backend: type) -> None:
     supported = _worker_layouts(backend)
-    upstream = resolve_kv_cache_layout(_config(tp), supported, [])
+    upstream = resolve_kv_cache_layout(_config(), supported, [])
     assert upstream.name == "LBNHC" and not upstream.is_block_outermost
-    elastic = _resolve(_config(tp), supported)
+    assert _resolve(_config(), supported).name == upstream.name  # kvcore's per-layer ranges
+
+
+@pytest.mark.parametrize("backend", [FlashAttentionBackend, TritonAttentionBackend])
+def test_elastic_resolves_the_block_outermost_form_under_tp(backend: type) -> None:
+    supported = _worker_layouts(backend)
+    upstream = resolve_kv_cache_layout(_config(2), supported, [])
+    elastic = _resolve(_config(2), supported)
     assert elastic.name == "BLNHC" == block_outermost_form(upstream.name)
     # the per-layer block keeps the kernels' [N, H, C] order; only blocks move outermost
     assert elastic.layer_view_order == upstream.layer_view_order
@@ -71,10 +77,11 @@ def test_elastic_resolves_the_block_outermost_form_of_vllms_choice(backend: type
 
 def test_each_backend_order_is_kept_among_backable_layouts() -> None:
     # FlashInfer's declaration (HND first), as its worker reports it
-    assert elastic_kv_cache_layouts(_config(), [["LBHNC", "BLHNC"]]) == [["BLHNC", "LBHNC"]]
+    assert elastic_kv_cache_layouts(_config(), [["LBHNC", "BLHNC"]]) == [["LBHNC", "BLHNC"]]
     assert elastic_kv_cache_layouts(_config(2), [["LBHNC", "BLHNC"]]) == [["BLHNC"]]
     ranks = [["LHBNC", "LBHNC", "BHLNC", "LBNHC", "BLNHC"]] * 2  # every rank reports its list
-    assert elastic_kv_cache_layouts(_config(), ranks) == [["BLNHC", "LBHNC", "LBNHC"]] * 2
+    assert elastic_kv_cache_layouts(_config(), ranks) == [["LBHNC", "LBNHC", "BLNHC"]] * 2
+    assert elastic_kv_cache_layouts(_config(2), ranks) == [["BLNHC"]] * 2
     assert backable_layouts(channel=False) == ("LBNHC", "LBHNC", "BLNHC", "BLHNC")
 
 
