@@ -53,6 +53,13 @@ def main() -> None:
     parser.add_argument("--no-async-scheduling", action="store_true")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--ledger-peers",
+        type=int,
+        default=0,
+        help="after the first wave, wait until the gpu_ledger of --kvcore-config lists this "
+        "many live instances holding memory, and report them",
+    )
     args = parser.parse_args()
 
     import torch
@@ -107,6 +114,7 @@ def main() -> None:
 
     first, second = prompt_mix(args.seed, vocab)
     run_wave(first, "a")
+    peers = _wait_for_peers(args) if args.ledger_peers else []
     time.sleep(1.0)  # freed pages unmap on kvcore's page thread
     samples.append((time.monotonic() - t0, "drained", free()))
     run_wave(second, "b")
@@ -130,9 +138,34 @@ def main() -> None:
         "free_before_start": before_start,
         "samples": samples,
         "metrics": metrics,
+        "peers": peers,
         "tokens": [outputs[r] for r in order],
     }
     print("KVCORE-REPORT " + json.dumps(report))
+
+
+def _wait_for_peers(args: argparse.Namespace, timeout: float = 300.0) -> list[tuple[str, int]]:
+    """``(name, mapped bytes)`` of the live records of the ledger(s) in ``--kvcore-config``'s
+    ``ledger_dir`` once ``--ledger-peers`` of them hold memory (or at the timeout)."""
+    from pathlib import Path
+
+    from kvcore.gpu_ledger import GpuLedger, list_ledgers
+
+    directory = Path(json.loads(args.kvcore_config)["ledger_dir"])
+    deadline = time.monotonic() + timeout
+    seen: list[tuple[str, int]] = []
+    while time.monotonic() < deadline:
+        seen = []
+        for path in list_ledgers(directory):
+            ledger = GpuLedger.open_path(path)
+            try:
+                seen += [(r.name, r.mapped) for r in ledger.snapshot().records if r.mapped > 0]
+            finally:
+                ledger.close()
+        if len(seen) >= args.ledger_peers:
+            break
+        time.sleep(0.5)
+    return seen
 
 
 if __name__ == "__main__":

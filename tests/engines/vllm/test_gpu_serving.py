@@ -10,7 +10,8 @@ tight ``limit_bytes`` that makes requests wait is compared under vLLM's batch-in
 (``VLLM_BATCH_INVARIANT=1`` on both sides), where a different batch composition cannot
 change a float. The driver's free memory must fall while KV fills, come back once requests
 finish, and all of it once the engine is gone, with the per-GPU ledger record removed; those
-engines run alone. Marked ``gpu``: skipped without CUDA, or without the forked vLLM.
+engines run alone. Two elastic instances share the GPU through one per-GPU ledger. Marked
+``gpu``: skipped without CUDA, or without the forked vLLM.
 """
 
 from __future__ import annotations
@@ -225,6 +226,33 @@ def test_memory_follows_the_load_and_returns(tmp_path: Path) -> None:
     ledgers = list_ledgers(tmp_path)
     assert ledgers, f"gpu_ledger wrote no ledger under {tmp_path}"
     for path in ledgers:
+        ledger = GpuLedger.open_path(path)
+        try:
+            assert ledger.snapshot().records == ()
+        finally:
+            ledger.close()
+
+
+@pytest.mark.timeout(900)
+def test_two_instances_share_the_gpu_through_one_ledger(tmp_path: Path) -> None:
+    """A second elastic instance starts and serves on the GPU while the first holds KV
+    memory: both register in one per-GPU ledger, each sees both records holding memory at
+    once, both give the same greedy tokens, and the ledger is empty once both are gone."""
+    from kvcore.gpu_ledger import GpuLedger, list_ledgers
+
+    config = json.dumps({"gpu_ledger": True, "ledger_dir": str(tmp_path)})
+    flags = ("--enforce-eager", "--elastic", "--kvcore-config", config, "--ledger-peers", "2",
+             "--gpu-memory-utilization", PAIR_UTILIZATION, "--kv-cache-memory-bytes",
+             PAIR_KV_BYTES)  # fmt: skip
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        reports = list(pool.map(lambda _: run_engine(*flags), range(2)))
+    for report in reports:
+        if isinstance(report, str):
+            pytest.fail(report)
+        names = {name for name, _ in report["peers"]}
+        assert len(names) == 2, f"an instance saw {report['peers']} in the ledger"
+    assert_same_tokens(reports[0], reports[1])
+    for path in list_ledgers(tmp_path):
         ledger = GpuLedger.open_path(path)
         try:
             assert ledger.snapshot().records == ()
