@@ -1184,7 +1184,7 @@ class LedgerGate:
         now = time.monotonic()
         if now - self._last_busy_log >= 10.0:  # a stuck holder: say so, not on every call
             self._last_busy_log = now
-            log.warning("kvcore: %s: %s (%s)", what, exc, exc.hint)
+            log.warning("kvcore: %s: %s", what, exc)  # str(exc) carries the hint
 
     def _leave(self) -> None:
         fcntl.flock(self.ledger._fd, fcntl.LOCK_UN)

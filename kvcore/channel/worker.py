@@ -13,7 +13,9 @@ rank, after the worker has built its virtual KV tensors)::
 directory) and returns at once; a daemon thread accepts connections. Each connection must
 come from this uid (``SO_PEERCRED``), open with a ``Hello`` naming this rank within
 ``handshake_timeout`` seconds, and be the only coordinator session; anything else is
-answered with an error reply, closed, and counted in ``rejected``. The session then lasts
+answered with an error reply (``PeerRejected`` naming the deadline for a handshake not
+completed in time, or ``MAX_HANDSHAKES`` for one beyond that many at once), closed, and
+counted in ``refused`` (the latest reasons in ``rejected``). The session then lasts
 for the instance's life: requests are applied in order, one at a time, each answered with a
 ``Reply``. A malformed frame on the session ends it (the coordinator fails its pool).
 
@@ -42,6 +44,7 @@ import logging
 import os
 import socket
 import threading
+from collections import deque
 from pathlib import Path
 
 from kvcore.channel.endpoints import channel_dir_from_env, check_peer, socket_path
@@ -75,6 +78,8 @@ DEFAULT_HANDSHAKE_TIMEOUT = 5.0
 
 MAX_HANDSHAKES = 8
 """Connections a worker handshakes at once; more are refused (a coordinator makes one)."""
+REJECTED_KEPT = 256
+"""Refusal reasons a listener keeps: a peer connecting in a loop must not grow its memory."""
 
 
 class WorkerListener:
@@ -95,9 +100,11 @@ class WorkerListener:
         self.path = socket_path(self.channel_dir, rank)
         self.max_bytes = max_bytes
         self.handshake_timeout = handshake_timeout
-        self.rejected: list[str] = []
+        self.rejected: deque[str] = deque(maxlen=REJECTED_KEPT)
+        """Why each of the latest refused connections was refused, oldest first."""
+        self.refused = 0
+        """Connections refused so far."""
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)  # in flight at once
-        """Why each refused connection was refused, oldest first."""
         self.sessions = 0
         """Coordinator sessions accepted so far."""
         self._log = TransactionLog()
@@ -172,8 +179,7 @@ class WorkerListener:
             except OSError:
                 break  # close() shut the socket down
             if not self._handshakes.acquire(blocking=False):  # a flood: refuse, keep serving
-                self.rejected.append("too many handshakes at once")
-                conn.close()
+                self._refuse_busy(conn)
                 continue
             try:
                 threading.Thread(
@@ -188,10 +194,27 @@ class WorkerListener:
                 conn.close()
         listen.close()
 
+    def _refuse_busy(self, conn: socket.socket) -> None:
+        """Refuse a connection beyond ``MAX_HANDSHAKES`` on the accept thread: the refusal
+        goes out without blocking (a fresh connection's buffer is empty) and the
+        connection is closed."""
+        with conn:
+            conn.setblocking(False)
+            self._reject(
+                conn,
+                PeerRejected(
+                    f"rank {self.rank}: too many handshakes at once (MAX_HANDSHAKES = "
+                    f"{MAX_HANDSHAKES})",
+                    hint="one coordinator connects once per rank; retry later",
+                ),
+            )
+
     def _serve(self, conn: socket.socket) -> None:
         reader = FrameReader(max_bytes=self.max_bytes)
-        # one deadline for the whole handshake: a peer trickling a byte at a time is cut off
-        cutoff = threading.Timer(self.handshake_timeout, _shut, args=(conn,))
+        # one deadline for the whole handshake: a peer trickling a byte at a time is cut off.
+        # The cut ends reading only, so the refusal still reaches the peer.
+        expired = threading.Event()
+        cutoff = threading.Timer(self.handshake_timeout, _expire, args=(conn, expired))
         cutoff.daemon = True
         with conn:
             try:
@@ -202,6 +225,14 @@ class WorkerListener:
                     cutoff.cancel()
                     self._handshakes.release()
             except (KvcoreError, OSError) as exc:
+                if expired.is_set() or isinstance(exc, TimeoutError):
+                    # whatever the read saw once the deadline passed, the deadline is why
+                    exc = PeerRejected(
+                        f"rank {self.rank}: no complete Hello within the "
+                        f"{self.handshake_timeout}s handshake deadline",
+                        hint="a coordinator sends its Hello at once; this peer trickled, "
+                        "stalled or is not a kvcore coordinator",
+                    )
                 self._reject(conn, exc)
                 return
             try:
@@ -246,6 +277,7 @@ class WorkerListener:
     def _reject(self, conn: socket.socket, exc: BaseException) -> None:
         log.warning("rank %d: refused a channel connection: %s", self.rank, exc)
         self.rejected.append(f"{type(exc).__name__}: {exc}")
+        self.refused += 1
         _try_send(conn, Reply(Op.HELLO, 0, remote_error(exc)))
 
     def _session_loop(self, conn: socket.socket, reader: FrameReader) -> None:
@@ -345,7 +377,9 @@ def _shutdown_quiet(sock: socket.socket | None) -> None:
         _shutdown(sock)
 
 
-def _shut(conn: socket.socket) -> None:
-    """End a handshake that ran past its deadline: its pending ``recv`` returns."""
+def _expire(conn: socket.socket, expired: threading.Event) -> None:
+    """End a handshake that ran past its deadline: its pending ``recv`` returns ``b""``;
+    the write side stays open for the refusal."""
+    expired.set()
     with contextlib.suppress(OSError):
-        conn.shutdown(socket.SHUT_RDWR)
+        conn.shutdown(socket.SHUT_RD)

@@ -25,6 +25,7 @@ from kvcore.channel.messages import (
     Reply,
     Request,
     Welcome,
+    encode,
     recv_message,
     send_message,
 )
@@ -197,4 +198,73 @@ def test_a_failed_thread_start_fails_that_connection_only(
         session.sock.close()
     finally:
         monkeypatch.undo()
+        listener.close()
+
+
+def _refusal_of(sock: socket.socket) -> str:
+    """The error type and message of the refusal the worker sends on ``sock``."""
+    sock.settimeout(30)
+    reply = recv_message(sock, FrameReader())
+    assert isinstance(reply, Reply) and reply.error is not None, reply
+    return f"{reply.error.type}: {reply.error.message}"
+
+
+def _connect(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    sock.connect(str(path))
+    return sock
+
+
+def test_a_peer_past_the_handshake_deadline_is_told_so(
+    mapper: LocalPageMapper, directory: ChannelDirectory
+) -> None:
+    """The deadline ends reading only: the silent peer gets a ``PeerRejected`` naming the
+    deadline (it used to be cut off with no answer, listed as whatever its last read saw)."""
+    listener = WorkerListener(
+        mapper, rank=0, channel_dir=directory.path, handshake_timeout=0.3
+    ).start()
+    try:
+        with _connect(listener.path) as silent:
+            refusal = _refusal_of(silent)
+        assert refusal.startswith("PeerRejected") and "handshake deadline" in refusal
+        assert listener.refused == 1 and "handshake deadline" in listener.rejected[-1]
+    finally:
+        listener.close()
+
+
+def test_a_connection_beyond_max_handshakes_gets_a_typed_refusal(
+    mapper: LocalPageMapper, directory: ChannelDirectory
+) -> None:
+    from kvcore.channel.worker import MAX_HANDSHAKES
+
+    listener = WorkerListener(
+        mapper, rank=0, channel_dir=directory.path, handshake_timeout=30
+    ).start()
+    held = [_connect(listener.path) for _ in range(MAX_HANDSHAKES)]  # silent: all in flight
+    try:
+        with _connect(listener.path) as extra:
+            refusal = _refusal_of(extra)
+        assert refusal.startswith("PeerRejected") and "MAX_HANDSHAKES" in refusal
+        assert listener.refused == 1
+    finally:
+        for sock in held:
+            sock.close()
+        listener.close()
+
+
+def test_the_refusal_reasons_kept_are_bounded(
+    mapper: LocalPageMapper, directory: ChannelDirectory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvcore.channel import worker
+
+    monkeypatch.setattr(worker, "REJECTED_KEPT", 2)
+    listener = WorkerListener(mapper, rank=0, channel_dir=directory.path).start()
+    try:
+        for n in range(3):
+            with _connect(listener.path) as stranger:
+                stranger.sendall(encode(Hello(rank=7, world_size=1, instance=f"x{n}")))
+                assert _refusal_of(stranger).startswith("PeerRejected")
+        assert listener.refused == 3 and len(listener.rejected) == 2
+    finally:
         listener.close()
