@@ -10,11 +10,12 @@ RECORD is regenerated, the upstream filename's tags (e.g. ``manylinux_2_28``) ar
 WHEEL file is left as the release shipped it. Unchanged members keep their timestamps and
 modes, added ones get 1980-01-01 and 0644: the same series gives the same wheel bytes.
 
-``verify_install`` installs the result with ``--no-deps`` into a fresh venv and checks what can
-be checked without the engine's dependency tree (vLLM alone needs ~50 packages to import):
-``pip show`` reports the local version, every fork file is byte-identical in site-packages,
-the changed modules compile, and each changed module is imported where its imports resolve (a
-module whose import stops at a missing third-party dependency is reported, not failed).
+``verify_install`` installs the result with ``--no-deps`` into a fresh venv of the wheel's Python
+and checks what can be checked without the engine's dependency tree (vLLM alone needs ~50
+packages to import): ``pip show`` reports the local version, every fork file is byte-identical
+in site-packages, the changed modules compile, and each changed module is imported, each in a
+fresh process of its own, where its imports resolve (a module whose import stops at a missing
+third-party dependency is reported, not failed; with a deps env it fails).
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ import csv
 import hashlib
 import io
 import json
+import os
+import shutil
 import struct
 import subprocess
 import sys
 import tempfile
-import venv
 import zipfile
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
@@ -240,17 +243,50 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, check=False)
 
 
+# Imports one module and writes the outcome to the file named by argv[2]. One process per
+# module: a failed import can leave the engine half-imported (SGLang 0.5.23: ``sglang`` is
+# dropped from sys.modules while its namespace subpackage ``sglang.srt`` stays), so every later
+# import in the same process fails with a misleading error (``KeyError: 'sglang'``).
 _IMPORT_PROBE = """
-import importlib, json, sys
-result = {}
-for name in sys.argv[1:]:
-    try:
-        importlib.import_module(name)
-        result[name] = None
-    except BaseException as exc:
-        result[name] = [type(exc).__name__, getattr(exc, "name", None) or "", str(exc)]
-print(json.dumps(result))
+import importlib, json, sys, traceback
+try:
+    importlib.import_module(sys.argv[1])
+    result = None
+except BaseException as exc:
+    tail = traceback.format_exception(type(exc), exc, exc.__traceback__)[-6:]
+    result = [type(exc).__name__, getattr(exc, "name", None) or "", str(exc), "".join(tail)]
+with open(sys.argv[2], "w") as fh:
+    json.dump(result, fh)
 """
+IMPORT_TIMEOUT_S = 600
+
+
+def _probe_imports(py: str, modules: list[str], tmp: Path) -> dict[str, list[str] | None]:
+    """Import each of ``modules`` in its own fresh ``py`` process (in parallel, a few at a
+    time); return ``{module: None | [kind, missing module, message, traceback tail]}``."""
+
+    def probe(index: int, module: str) -> list[str] | None:
+        out = tmp / f"probe-{index}.json"
+        try:
+            proc = subprocess.run(
+                [py, "-c", _IMPORT_PROBE, module, str(out)],
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=IMPORT_TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired:
+            return ["Timeout", "", f"no result after {IMPORT_TIMEOUT_S} s", ""]
+        if not out.exists():  # the interpreter died (signal, os._exit) before reporting
+            why = f"the interpreter exited with status {proc.returncode} during the import"
+            return ["Crash", "", why, proc.stderr[-2000:]]
+        result: list[str] | None = json.loads(out.read_text())
+        return result
+
+    workers = max(1, min(4, os.cpu_count() or 1, len(modules)))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = pool.map(probe, range(len(modules)), modules)
+        return dict(zip(modules, results, strict=True))
 
 
 def _site(python: str) -> Path:
@@ -258,22 +294,49 @@ def _site(python: str) -> Path:
     return Path(proc.stdout.strip())
 
 
+def _interpreter(python: str | None, ctx: dict[str, str]) -> str:
+    """The interpreter for Python ``python`` (``"3.12"``): this one, else ``pythonX.Y`` on
+    PATH. Raises ``BuildError`` when there is none: the check is not skipped silently."""
+    if python is None or python == running_python():
+        return sys.executable
+    found = shutil.which(f"python{python}")
+    probe = "import sys; print('%d.%d' % sys.version_info[:2])"
+    if found is None or _run([found, "-c", probe]).stdout.strip() != python:
+        # (a pyenv shim for a version that is installed but not selected does not run)
+        raise BuildError(
+            f"the install check of a Python {python} wheel needs a working python{python} on PATH",
+            hint=f"install Python {python} (or put it on PATH), or pass --no-install-check",
+            **ctx,
+        )
+    return found
+
+
 def verify_install(
-    wheel: Path, rel: EngineRelease, fork: Path, version: str, deps_env: Path | None = None
+    wheel: Path,
+    rel: EngineRelease,
+    fork: Path,
+    version: str,
+    deps_env: Path | None = None,
+    python: str | None = None,
 ) -> list[str]:
-    """Install ``wheel`` (``--no-deps``) into a fresh venv and check it against ``fork`` (see
-    the module docstring). With ``deps_env`` (a venv holding the engine's dependencies), its
-    site-packages are appended to the fresh venv's path, so the changed modules must import
-    for real. Returns notes on modules not importable for a missing third-party dependency.
-    Raises ``BuildError`` on any failed check."""
+    """Install ``wheel`` (``--no-deps``) into a fresh venv of Python ``python`` (default: the
+    running one; another is looked up as ``pythonX.Y`` on PATH) and check it against ``fork``
+    (see the module docstring). With ``deps_env`` (a venv of that Python holding the engine's
+    dependencies), its site-packages are appended to the fresh venv's path, so the changed
+    modules must import for real. Returns notes on modules not importable for a missing
+    third-party dependency. Raises ``BuildError`` on any failed check."""
     ctx = {"engine": rel.name, "version": rel.version, "file": wheel.name}
     hint = f"python -m patchq build {rel.name} {rel.version} after fixing the series"
+    interpreter = _interpreter(python, ctx)
     with tempfile.TemporaryDirectory(prefix="patchq-install-") as tmp:
         env_dir = Path(tmp) / "venv"
-        venv.create(env_dir, with_pip=False)
+        made = _run([interpreter, "-m", "venv", "--without-pip", str(env_dir)])
+        if made.returncode != 0:
+            raise BuildError(f"{interpreter} -m venv failed:\n{made.stderr.strip()}", **ctx)
         py = str(env_dir / "bin" / "python")
         pip = [sys.executable, "-m", "pip", "--python", py]
-        with step(f"installing {wheel.name} into a fresh venv (--no-deps)"):
+        where = f"a fresh Python {python or running_python()} venv"
+        with step(f"installing {wheel.name} into {where} (--no-deps)"):
             flags = ["--no-deps", "--no-index", "--no-compile", "-q"]
             proc = _run([*pip, "install", *flags, str(wheel)])
         if proc.returncode != 0:
@@ -300,22 +363,25 @@ def verify_install(
         if deps_env is not None:
             (site / "_patchq_deps.pth").write_text(f"{_site(str(deps_env / 'bin' / 'python'))}\n")
         modules = [p[: -len(".py")].replace("/", ".").removesuffix(".__init__") for p in changed]
-        with step(f"importing the {len(modules)} changed modules"):
-            probe = _run([py, "-c", _IMPORT_PROBE, *modules])
-        try:
-            failures = json.loads(probe.stdout.strip().splitlines()[-1]) if modules else {}
-        except (ValueError, IndexError) as exc:
-            raise BuildError(f"the import probe crashed:\n{probe.stderr[-2000:]}", **ctx) from exc
+        with step(f"importing the {len(modules)} changed modules, one process each"):
+            failures = _probe_imports(py, modules, Path(tmp))
         notes = []
         for module, failure in failures.items():
             if failure is None:
                 continue
-            kind, missing, text = failure
+            kind, missing, text, trace = failure
             third_party = kind == "ModuleNotFoundError" and missing.split(".")[0] != rel.name
             if third_party and deps_env is None:
                 notes.append(f"{module}: not importable without its dependencies ({missing})")
                 continue
-            raise BuildError(f"importing {module} fails: {kind}: {text}", hint=hint, **ctx)
+            where = f"\n{trace.rstrip()}" if trace else ""
+            fix = hint
+            if third_party:  # with a deps env: the env is incomplete, not (yet) the series
+                fix = (
+                    f"install {missing.split('.')[0]}'s distribution into {deps_env} "
+                    '(docs/patchq.md, "The install check"), then build again'
+                )
+            raise BuildError(f"importing {module} fails: {kind}: {text}{where}", hint=fix, **ctx)
     return notes
 
 
@@ -328,8 +394,9 @@ def build(
     deps_env: Path | None = None,
 ) -> Path:
     """Build ``rel``'s forked wheel (for ``python``, default the running interpreter) into
-    ``ws.dist_dir`` from the committed series; with ``install_check``, verify it installs (only
-    where the wheel fits the running interpreter). Returns the wheel path. Raises the errors of
+    ``ws.dist_dir`` from the committed series; with ``install_check``, verify it installs into
+    a venv of that Python (``pythonX.Y`` on PATH when it is not the running one; none is a
+    ``BuildError``). Returns the wheel path. Raises the errors of
     ``materialize``, ``BuildError`` and the artifact errors."""
     python = python or running_python()
     series = read(ws.series_dir(rel), engine=rel.name, version=rel.version)
@@ -342,13 +409,10 @@ def build(
             wheel = repack(upstream, fork, ws.dist_dir, version)
         info(f"built {wheel} ({len(changes(fork))} files from {len(series.patches)} patches)")
         if install_check:
-            fits = python == running_python() or "-abi3-" in upstream.name
-            if not fits:
-                info(f"install check skipped: the wheel is for Python {python}")
-            else:
-                for note in verify_install(wheel, rel, fork, version, deps_env):
-                    info(f"note: {note}")
-                info(
-                    f"install check passed: pip show {rel.name} -> {version}; fork files identical"
-                )
+            for note in verify_install(wheel, rel, fork, version, deps_env, python):
+                info(f"note: {note}")
+            info(
+                f"install check passed (Python {python}): pip show {rel.name} -> {version}; "
+                "fork files identical"
+            )
     return wheel
