@@ -1,14 +1,19 @@
 """Sessions for building, checking and testing kvcore and its forked engines.
 
 ``nox --list`` shows every session with its one-line description. Engine sessions are
-generated from ``compat/matrix.toml``; no version list is written here.
+generated from ``compat/matrix.toml``; no version list is written here. Every session runs on
+Python 3.11 (``PYTHON``); without a python3.11 on PATH a session fails, it is not skipped.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +27,9 @@ from compat import load as load_matrix  # noqa: E402
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["lint", "tests"]
+# A session whose interpreter is missing fails (nox's default outside CI is a skip, exit 0: a
+# false green). `--no-error-on-missing-interpreters` restores the skip.
+nox.options.error_on_missing_interpreters = True
 
 PYTHON = "3.11"
 # The CPU build of torch; pip takes it from the local wheel directory where one exists.
@@ -42,7 +50,8 @@ def tests(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("-e", ".[test]")
     session.install(*PATCHQ_DEPS)  # tests/patchq drive the repository's patch tooling
-    env = {"PYTHONHASHSEED": "0"}
+    # tests/test_noxfile.py runs nox itself, with the interpreter running this nox
+    env = {"PYTHONHASHSEED": "0", "KVCORE_NOX_PYTHON": sys.executable}
     # tests/engines/ need an engine installed: their own sessions (test-<engine>-<v>) run them.
     session.run("pytest", *(session.posargs or ["-q", "--ignore=tests/engines"]), env=env)
     if not session.posargs:  # the full suite (CI) also proves every series still applies
@@ -51,6 +60,47 @@ def tests(session: nox.Session) -> None:
             session.notify(engine_session)
         for engine_session in VLLM_TEST_SESSIONS:  # vLLM's tests/v1/core, three ways (~7 min)
             session.notify(engine_session)
+
+
+# --- progress of the long phases (first run: ~22 min on 2 cores, most of it pip and vLLM's
+# tests/v1/core) and where their verbose output goes. ---
+LOGS = ROOT / "build" / "logs"
+"""Full output of the runs whose console line is a summary (vLLM's tests/v1/core three ways)."""
+PROGRESS_EVERY_S = 60.0
+_PYTEST_PERCENT = re.compile(rb"\[\s*(\d+)%\]")
+
+
+def _pytest_percent(log: Path) -> str:
+    """The last ``[ NN%]`` pytest -q wrote to ``log``, or ``""``."""
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(max(0, log.stat().st_size - 8192))
+            found = _PYTEST_PERCENT.findall(fh.read())
+    except OSError:
+        return ""
+    return f", {int(found[-1])}% of the tests" if found else ""
+
+
+@contextmanager
+def _progress(session: nox.Session, what: str, log: Path | None = None) -> Iterator[None]:
+    """Log ``what: still running (N s)`` every ``PROGRESS_EVERY_S`` while the block runs (with
+    pytest's percentage from ``log``), so a phase that prints nothing for minutes shows it is
+    alive."""
+    done = threading.Event()
+    start = time.monotonic()
+
+    def beat() -> None:
+        while not done.wait(PROGRESS_EVERY_S):
+            pct = _pytest_percent(log) if log else ""
+            session.log(f"{what}: still running ({time.monotonic() - start:.0f} s{pct})")
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _engine_keys() -> list[str]:
@@ -80,8 +130,11 @@ def _build_session(name: str, version: str, short: str) -> None:
     def build(session: nox.Session) -> None:
         _patchq(session, "build", name, version, *session.posargs)
 
+    # The session runs on 3.11, so that is the wheel's Python unless `-- --python X.Y` asks for
+    # another one the matrix pins (its install check then needs a working pythonX.Y on PATH).
     build.__doc__ = (
-        f"Build the forked {name} {version} wheel (+kvcore.N) into dist/; install-check."
+        f"Build the forked {name} {version} wheel (+kvcore.N) for Python {PYTHON} (-- --python "
+        "X.Y: another) into dist/; install-check."
     )
     nox.session(name=f"build-{name}-{short}", python=PYTHON)(build)
 
@@ -139,17 +192,19 @@ class _EngineTests:
             return None
 
         def test_engine(session: nox.Session) -> None:
-            session.install("--no-deps", TORCH, "-r", str(requirements))
+            with _progress(session, f"installing torch and {requirements.name} (first run: ~2 GB)"):
+                session.install("--no-deps", TORCH, "-r", str(requirements))
             session.install("--no-deps", "-e", ".")
             env = {"PYTHONHASHSEED": "0", "PYTHONPATH": str(TORCHVISION_SHIM)}
             fetch = ("python", "-m", "patchq", "fetch", self.engine, version, "wheel")
-            upstream = str(session.run(*fetch, *self.fetch_args, silent=True))
+            # stdout (the path) is captured; patchq's download bar and steps go to the console
+            upstream = str(session.run(*fetch, *self.fetch_args, silent=True, stderr=None))
             session.install("--no-deps", "--force-reinstall", upstream.strip().splitlines()[-1])
             self.upstream(session, version, env)
             patched = (ROOT / "patches" / self.engine / version / "series").exists()
             if patched:
                 build = ("python", "-m", "patchq", "build", self.engine, version)
-                built = session.run(*build, "--no-install-check", silent=True)
+                built = session.run(*build, "--no-install-check", silent=True, stderr=None)
                 forked = sorted(
                     (ROOT / "dist").glob(self.forked_glob.format(version=version)),
                     key=lambda p: p.stat().st_mtime,
@@ -201,9 +256,26 @@ def _vllm_results(session: nox.Session, version: str, mode: str) -> str:
 
 
 def _vllm_suite(session: nox.Session, version: str, env: dict[str, str], mode: str) -> None:
+    """One run of the release's tests/v1/core. pytest's output (the tracebacks of the ~80
+    tests that fail upstream on CPU in every mode) goes to ``build/logs/``; the console gets a
+    line a minute and the run's counts. ``compare`` (``_vllm_compare``) judges the runs."""
     suite = ("python", str(VLLM_TESTS / "upstream_suite.py"), "run", "--version", version)
     out = _vllm_results(session, version, mode)
-    session.run(*suite, "--mode", mode, "--out", out, *session.posargs, env=env)
+    LOGS.mkdir(parents=True, exist_ok=True)
+    log = LOGS / f"test-vllm-{version}-{mode}.log"
+    session.log(f"vLLM {version} tests/v1/core [{mode}] (a few minutes): full output in {log}")
+    failed = True
+    with open(log, "w") as fh, _progress(session, f"tests/v1/core [{mode}]", log):
+        try:
+            session.run(*suite, "--mode", mode, "--out", out, *session.posargs, env=env, stdout=fh)
+            failed = False
+        finally:
+            fh.flush()
+            # pytest's closing counts and the suite's summary line; when the run itself
+            # failed (not a test: the harness), the last 30 lines of the log
+            tail = log.read_text(errors="replace").splitlines()[-30 if failed else -3 :]
+            for line in (ln for ln in tail if ln.strip()):
+                session.log(line if failed else line.strip("= "))
 
 
 def _vllm_upstream(session: nox.Session, version: str, env: dict[str, str]) -> None:
@@ -266,9 +338,8 @@ def demo(session: nox.Session) -> None:
     session.install("--no-deps", TORCH, "-r", str(requirements))
     session.install("matplotlib", "rich")
     session.install("--no-deps", "-e", ".")
-    built = session.run(
-        "python", "-m", "patchq", "build", "vllm", DEMO_VLLM, "--no-install-check", silent=True
-    )
+    build = ("python", "-m", "patchq", "build", "vllm", DEMO_VLLM, "--no-install-check")
+    built = session.run(*build, silent=True, stderr=None)
     wheel = str(built).strip().splitlines()[-1]  # patchq build prints the wheel path last
     session.install("--no-deps", "--force-reinstall", wheel)
     session.run("python", "benchmarks/colocate.py", *session.posargs)
