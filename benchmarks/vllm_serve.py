@@ -49,13 +49,19 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+from vllm_servers import (
+    CLI,
+    MemorySampler,
+    ServeProcess,
+    cpu_seconds,
+    delta,
+    stop_all,
+)
+
 MODES: dict[str, tuple[bool, str | None, dict[str, int]]] = {
     "off": (False, None, {}),
     "off-blnhc": (False, "BLNHC", {}),
@@ -71,49 +77,6 @@ METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms
 GiB = 1 << 30
 
 
-class MemorySampler:
-    """Device memory in use every ``interval`` seconds on a thread (NVML, bytes): the device
-    total, and per server (the processes of its session) where NVML lists processes."""
-
-    def __init__(self, sessions: dict[int, str], interval: float = 0.5) -> None:
-        import pynvml
-
-        pynvml.nvmlInit()
-        self._nvml = pynvml
-        self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        self._sessions = sessions
-        self.interval = interval
-        self.t0 = time.monotonic()
-        self.series: list[dict[str, Any]] = []
-        self.phase = "start"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _per_server(self) -> dict[str, int]:
-        held: dict[str, int] = {}
-        try:
-            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
-        except self._nvml.NVMLError:
-            return held
-        for p in procs:
-            mode = self._sessions.get(_session_of(p.pid))
-            if mode is not None and p.usedGpuMemory is not None:
-                held[mode] = held.get(mode, 0) + int(p.usedGpuMemory)
-        return held
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            used = int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
-            t = round(time.monotonic() - self.t0, 2)
-            self.series.append({"t": t, "phase": self.phase, "used": used, **self._per_server()})
-
-    def close(self) -> list[dict[str, Any]]:
-        self._stop.set()
-        self._thread.join()
-        return self.series
-
-
 COUNTERS = (
     "vllm:num_preemptions_total",
     "vllm:prefix_cache_hits_total",
@@ -124,76 +87,12 @@ COUNTERS = (
 """Prometheus counters of the server whose change over each run is recorded."""
 
 
-def _counters(port: int) -> dict[str, float]:
-    """The server's ``COUNTERS`` (summed over labels) from its ``/metrics``; {} on failure."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            text = r.read().decode()
-    except OSError:
-        return {}
-    got: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        name = line.split(" ", 1)[0].split("{", 1)[0]
-        if name in COUNTERS:
-            with contextlib.suppress(ValueError, IndexError):
-                got[name] = got.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return got
-
-
-def _procs() -> list[tuple[int, str, list[str]]]:
-    """Every live process: pid, name and the ``/proc/<pid>/stat`` fields after the name
-    (state, ppid, pgrp, session, ..., utime at 11, stime at 12)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        name = text[text.find("(") + 1 : text.rfind(")")]
-        found.append((int(stat.parent.name), name, text.rsplit(")", 1)[1].split()))
-    return found
-
-
-def _cpu_seconds(session: int) -> dict[str, float]:
-    """CPU seconds (user + system) so far of the live processes of ``session``, by name."""
-    tick = os.sysconf("SC_CLK_TCK")
-    got: dict[str, float] = {}
-    for _, name, fields in _procs():
-        if int(fields[3]) == session:
-            got[name] = got.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return got
-
-
-def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: round(v - before.get(k, 0.0), 3) for k, v in after.items()}
-
-
-def _engine_cores(session: int) -> list[int]:
-    """The live ``EngineCore`` processes of ``session`` (vLLM names them ``VLLM::EngineCore``,
-    cut to 15 characters; a zombie no longer counts)."""
-    return [
-        pid
-        for pid, name, fields in _procs()
-        if "EngineCor" in name and fields[0] != "Z" and int(fields[3]) == session
-    ]
-
-
-def _session_of(pid: int) -> int | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return int(fields[3])  # the session id (state, ppid, pgrp, session, ...)
-
-
-class Server:
-    """One ``vllm serve`` in its own session, its output in ``log``."""
+class Server(ServeProcess):
+    """One ``vllm serve`` of one mode (``MODES``) for ``model``."""
 
     def __init__(self, model: str, mode: str, port: int, args: Any, workdir: Path) -> None:
         elastic, layout, own = MODES[mode]
-        self.mode, self.port = mode, port
+        self.mode = mode
         env = dict(os.environ, VLLM_CACHE_ROOT=str(workdir / f"cache-{mode}"))
         env.pop("VLLM_KV_CACHE_LAYOUT", None)
         if layout:
@@ -209,47 +108,7 @@ class Server:
             config = {**json.loads(args.kvcore_config or "{}"), **own}
             if config:
                 cmd += ["--kvcore-config", json.dumps(config)]
-        self.log_path = workdir / f"serve-{Path(model).name}-{mode}.log"
-        self._log = self.log_path.open("ab")
-        self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
-        )
-        self.start_s: float | None = None
-
-    def ready(self) -> bool:
-        if self.proc.poll() is not None:
-            tail = self.log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(
-                f"vllm serve ({self.mode}) exited with {self.proc.returncode}\n{tail}"
-            )
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                ok = r.status == 200
-        except OSError:
-            return False
-        if ok and self.start_s is None:
-            self.start_s = round(time.monotonic() - self.t0, 1)
-        return ok
-
-    def stop(self) -> None:
-        """The engine core first (SIGTERM: it shuts down and exits, so kvcore's shutdown
-        summary reaches the log; vLLM's own SIGINT path kills it at once), then the server."""
-        if self.proc.poll() is None:
-            for pid in _engine_cores(self.proc.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 30
-            while _engine_cores(self.proc.pid) and time.monotonic() < deadline:
-                time.sleep(0.5)
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
+        super().__init__(cmd, env, port, workdir / f"serve-{Path(model).name}-{mode}.log", mode)
 
 
 class _PySpy:
@@ -321,10 +180,10 @@ def run_model(model: str, args: Any, workdir: Path, results: list[dict[str, Any]
                     spy = None
                     if args.py_spy and r == args.py_spy_round and rate == args.py_spy_rate:
                         spy = _PySpy(s, args.out.parent / f"pyspy-{Path(model).name}-{s.mode}.txt")
-                    cpu0, count0 = _cpu_seconds(s.proc.pid), _counters(s.port)
+                    cpu0, count0 = cpu_seconds(s.proc.pid), s.metrics(COUNTERS)
                     got = _bench(model, s.port, rate, seed=r, args=args)
-                    got["cpu_s"] = _delta(_cpu_seconds(s.proc.pid), cpu0)
-                    got["counters"] = _delta(_counters(s.port), count0)
+                    got["cpu_s"] = delta(cpu_seconds(s.proc.pid), cpu0)
+                    got["counters"] = delta(s.metrics(COUNTERS), count0)
                     if spy is not None:
                         got["py_spy"] = spy.stop()
                     runs.append({"mode": s.mode, "rate": rate, "round": r, **got})
@@ -335,8 +194,7 @@ def run_model(model: str, args: Any, workdir: Path, results: list[dict[str, Any]
                           f"TPOT p50 {got['median_tpot_ms']:.2f} ms", flush=True)  # fmt: skip
                     time.sleep(2.0)
     finally:
-        for s in servers:
-            s.stop()
+        stop_all(servers)
         sampler.phase = "stopped"
         time.sleep(3.0)
         result["memory"] = sampler.close()

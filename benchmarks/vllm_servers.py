@@ -1,0 +1,212 @@
+"""``vllm serve`` processes for the serving benchmarks (``vllm_serve.py``, ``vllm_colocate.py``).
+
+Each server runs in its own session (``start_new_session``), so its API server, engine core
+and workers are one process group to signal, one session to find in ``/proc`` and in NVML's
+process list. Stopping stops the engine core first with SIGTERM (vLLM's own SIGINT path
+kills it at once, so kvcore's shutdown summary would never be logged), then the session with
+SIGINT, then SIGKILL. Standard library only at import (``MemorySampler`` imports pynvml).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+"""How the benchmarks start vLLM's CLI (the interpreter running them)."""
+
+
+def procs() -> list[tuple[int, str, list[str]]]:
+    """Every live process: pid, name and the ``/proc/<pid>/stat`` fields after the name
+    (state, ppid, pgrp, session, ..., utime at 11, stime at 12)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name = text[text.find("(") + 1 : text.rfind(")")]
+        found.append((int(stat.parent.name), name, text.rsplit(")", 1)[1].split()))
+    return found
+
+
+def session_of(pid: int) -> int | None:
+    """The session id of ``pid``; ``None`` when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[3])
+
+
+def engine_cores(session: int) -> list[int]:
+    """The live ``EngineCore`` processes of ``session`` (vLLM names them ``VLLM::EngineCore``,
+    cut to 15 characters; a zombie no longer counts)."""
+    return [
+        pid
+        for pid, name, fields in procs()
+        if "EngineCor" in name and fields[0] != "Z" and int(fields[3]) == session
+    ]
+
+
+def cpu_seconds(session: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the live processes of ``session``, by name."""
+    tick = os.sysconf("SC_CLK_TCK")
+    got: dict[str, float] = {}
+    for _, name, fields in procs():
+        if int(fields[3]) == session:
+            got[name] = got.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return got
+
+
+def delta(after: Mapping[str, float], before: Mapping[str, float]) -> dict[str, float]:
+    """``after - before`` per key of ``after`` (a key new in ``after`` counts from 0)."""
+    return {k: round(v - before.get(k, 0.0), 3) for k, v in after.items()}
+
+
+def parse_metrics(text: str, names: Sequence[str]) -> dict[str, float]:
+    """The Prometheus samples of ``names`` in ``text`` (``/metrics``), summed over labels."""
+    got: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split(" ", 1)[0].split("{", 1)[0]
+        if name in names:
+            with contextlib.suppress(ValueError, IndexError):
+                got[name] = got.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return got
+
+
+class ServeProcess:
+    """One ``vllm serve`` (``cmd``) in its own session on ``port``, its output appended to
+    ``log_path``; ``label`` names it in messages."""
+
+    def __init__(
+        self, cmd: Sequence[str], env: Mapping[str, str], port: int, log_path: Path, label: str
+    ) -> None:
+        self.cmd, self.port, self.log_path, self.label = list(cmd), port, log_path, label
+        self._log = log_path.open("ab")
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=dict(env),
+        )  # fmt: skip
+        self.start_s: float | None = None
+        """Seconds from launch to the first healthy ``/health``."""
+
+    def ready(self) -> bool:
+        """Whether ``/health`` answers 200. Raises ``RuntimeError`` with the log's tail when
+        the server has exited."""
+        if self.proc.poll() is not None:
+            raise RuntimeError(
+                f"vllm serve ({self.label}) exited with {self.proc.returncode}\n"
+                + self.log_tail(3000)
+            )
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                ok = r.status == 200
+        except OSError:
+            return False
+        if ok and self.start_s is None:
+            self.start_s = round(time.monotonic() - self.t0, 1)
+        return ok
+
+    def metrics(self, names: Sequence[str]) -> dict[str, float]:
+        """``names`` from the server's ``/metrics`` (``parse_metrics``); {} on failure."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+                return parse_metrics(r.read().decode(), names)
+        except OSError:
+            return {}
+
+    def log_tail(self, n: int = 4000) -> str:
+        """The last ``n`` characters of the server's output."""
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(errors="replace")[-n:]
+        return ""
+
+    def stop(self) -> None:
+        """``stop_all([self])``."""
+        stop_all([self])
+
+
+def stop_all(servers: Sequence[ServeProcess]) -> None:
+    """Stop every server at once: SIGTERM to each engine core (so kvcore's shutdown runs and
+    its summary reaches the log), up to 30 s for them to exit, then SIGINT to each session,
+    60 s, then SIGKILL; their logs are closed. Idempotent."""
+    live = [s for s in servers if s.proc.poll() is None]
+    for s in live:
+        for pid in engine_cores(s.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while any(engine_cores(s.proc.pid) for s in live) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for s in live:
+        if s.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(s.proc.pid, signal.SIGINT)
+    deadline = time.monotonic() + 60
+    for s in live:
+        try:
+            s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(s.proc.pid, signal.SIGKILL)
+            s.proc.wait()
+    for s in servers:
+        s._log.close()
+
+
+class MemorySampler:
+    """Device memory in use every ``interval`` seconds on a thread (NVML, bytes): the device
+    total, and per server (the processes of its session, ``sessions`` maps session id to
+    label) where NVML lists processes."""
+
+    def __init__(self, sessions: dict[int, str], interval: float = 0.5) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        self._nvml = pynvml
+        self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        self._sessions = sessions
+        self.interval = interval
+        self.t0 = time.monotonic()
+        self.series: list[dict[str, Any]] = []
+        self.phase = "start"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _per_server(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        try:
+            running = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+        except self._nvml.NVMLError:
+            return held
+        for p in running:
+            label = self._sessions.get(session_of(p.pid))  # type: ignore[arg-type]
+            if label is not None and p.usedGpuMemory is not None:
+                held[label] = held.get(label, 0) + int(p.usedGpuMemory)
+        return held
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            used = int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+            t = round(time.monotonic() - self.t0, 2)
+            self.series.append({"t": t, "phase": self.phase, "used": used, **self._per_server()})
+
+    def close(self) -> list[dict[str, Any]]:
+        """Stop sampling; the series."""
+        self._stop.set()
+        self._thread.join()
+        return self.series
