@@ -59,8 +59,27 @@ SHAPES: dict[str, dict[str, Any]] = {
         "torch_dtype": "bfloat16",
         "attention_bias": False,
     },
+    "llama-3.2-3b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": True,
+        "vocab_size": 128256,
+        "torch_dtype": "bfloat16",
+        "attention_bias": False,
+    },
 }
-"""The published shapes of Qwen3-0.6B and Llama-3-8B (weights are never needed)."""
+"""The published shapes of Qwen3-0.6B, Llama-3-8B and Llama-3.2-3B (weights are never
+needed; Llama-3.2-3B's ``rope_scaling`` is left out: it changes no weight or KV shape)."""
 
 EOS, BOS = "<|endoftext|>", "<|begin_of_text|>"
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz\u0120"  # Ġ: the byte-level form of a space
