@@ -26,7 +26,8 @@ and writes, microseconds). A thread lock serialises the threads of one process, 
 the open file description. A lock held for longer than ``LOCK_TIMEOUT_S`` (e.g. by a
 stopped process) raises ``LedgerBusy`` (a ``LedgerError``) instead of hanging the caller;
 a serving instance's ``LedgerGate`` waits ``GATE_LOCK_WAIT_S`` at most and never fails on
-contention alone (its docstring says what each call does then).
+contention alone (its docstring says what each call does then), and an instance registering
+waits up to ``REGISTER_LOCK_WAIT_S``, with a warning every ``LOCK_TIMEOUT_S``.
 
 Permissions. The file is created with mode 0600 (only the creating user's instances share
 it). To let the instances of several users share one GPU, set ``KVCORE_LEDGER_GROUP`` to a
@@ -99,6 +100,8 @@ MAX_BYTES = 1 << 56
 2**64, the width of the ledger's unsigned fields."""
 """Instance slots per GPU ledger."""
 LOCK_TIMEOUT_S = 5.0
+REGISTER_LOCK_WAIT_S = 120.0
+"""An instance registering (an engine starting) waits this long for a held ledger lock."""
 GATE_LOCK_WAIT_S = 0.05
 """How long a serving instance's gate waits for the ledger lock on its hot path before it
 treats the ledger as busy (``LedgerGate``): an allocation miss, a deferred release."""
@@ -459,10 +462,11 @@ class GpuLedger:
     # -- locking -------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _locked(self, exclusive: bool) -> Iterator[mmap.mmap]:
+    def _locked(self, exclusive: bool, timeout: float | None = None) -> Iterator[mmap.mmap]:
         with self._tlock:
             self._check_usable()
-            _lock_fd(self._fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, self.path)
+            op = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+            _lock_fd(self._fd, op, self.path, timeout=timeout)
             try:
                 self._check_size()
                 yield self._buf
@@ -635,6 +639,24 @@ class GpuLedger:
 
     # -- instance side (used by LedgerGate) ----------------------------------------------
 
+    @contextlib.contextmanager
+    def _locked_to_register(self, name: str) -> Iterator[mmap.mmap]:
+        """The exclusive lock for registering ``name``: an engine starting while a stopped
+        ``kvctl`` or process holds the lock waits for it (saying so every
+        ``LOCK_TIMEOUT_S``) up to ``REGISTER_LOCK_WAIT_S``, then raises ``LedgerBusy``."""
+        deadline = time.monotonic() + REGISTER_LOCK_WAIT_S
+        with contextlib.ExitStack() as stack:
+            while True:
+                wait = min(LOCK_TIMEOUT_S, max(deadline - time.monotonic(), 0.0))
+                try:
+                    buf = stack.enter_context(self._locked(exclusive=True, timeout=wait))
+                    break
+                except LedgerBusy as exc:
+                    if time.monotonic() >= deadline:
+                        raise
+                    log.warning("kvcore: registering %r waits for the ledger lock: %s", name, exc)
+            yield buf
+
     def _register(
         self,
         *,
@@ -662,7 +684,7 @@ class GpuLedger:
         start = process_start_time(pid)
         assert start is not None
         token = secrets.randbits(63) | 1
-        with self._locked(exclusive=True) as buf:
+        with self._locked_to_register(name) as buf:
             self._reclaim_locked(buf)
             free_slot = None
             for slot in range(CAPACITY):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import grp
+import logging
 import multiprocessing
 import os
 import shutil
@@ -380,6 +381,56 @@ def test_other_ledger_users_still_raise_on_a_stuck_lock_holder(
         assert "fuser" in info.value.hint
     finally:
         os.close(fd)
+
+
+class _ReleaseOnWarning(logging.Handler):
+    """Lets go of a held ledger lock (closes ``fd``) once the registering instance says it
+    waits for it."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.fd, self.seen = fd, 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "waits for the ledger lock" in record.getMessage() and not self.seen:
+            self.seen += 1
+            os.close(self.fd)
+
+
+def test_an_instance_registering_waits_for_a_stuck_lock_holder(
+    ledger: GpuLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine starting while a stopped ``kvctl`` holds the lock waits (and says so)
+    instead of failing after ``LOCK_TIMEOUT_S``; it registers once the lock is free."""
+    monkeypatch.setattr(gpu_ledger, "LOCK_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(gpu_ledger, "REGISTER_LOCK_WAIT_S", 60.0)
+    fd = os.open(ledger.path, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    release = _ReleaseOnWarning(fd)
+    logger = logging.getLogger(gpu_ledger.__name__)
+    logger.addHandler(release)
+    try:
+        b = gate(ledger, "b")  # before: LedgerBusy after 0.05 s
+    finally:
+        logger.removeHandler(release)
+        if not release.seen:
+            os.close(fd)
+    assert release.seen == 1 and b.record().name == "b"
+
+
+def test_an_instance_registering_gives_up_after_the_register_wait(
+    ledger: GpuLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gpu_ledger, "LOCK_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(gpu_ledger, "REGISTER_LOCK_WAIT_S", 0.2)
+    fd = os.open(ledger.path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(LedgerBusy, match="stayed locked"):
+            gate(ledger, "b")
+    finally:
+        os.close(fd)
+    assert ledger.snapshot().find("b") is None
 
 
 def test_readers_take_a_shared_lock(ledger: GpuLedger, monkeypatch: pytest.MonkeyPatch) -> None:
