@@ -26,8 +26,9 @@ and writes, microseconds). A thread lock serialises the threads of one process, 
 the open file description. A lock held for longer than ``LOCK_TIMEOUT_S`` (e.g. by a
 stopped process) raises ``LedgerBusy`` (a ``LedgerError``) instead of hanging the caller;
 a serving instance's ``LedgerGate`` waits ``GATE_LOCK_WAIT_S`` at most and never fails on
-contention alone (its docstring says what each call does then), and an instance registering
-waits up to ``REGISTER_LOCK_WAIT_S``, with a warning every ``LOCK_TIMEOUT_S``.
+contention alone (its docstring says what each call does then), and an instance starting
+(``GpuLedger.open``, registering) waits up to ``REGISTER_LOCK_WAIT_S``, with a warning every
+``LOCK_TIMEOUT_S``.
 
 Permissions. The file is created with mode 0600 (only the creating user's instances share
 it). To let the instances of several users share one GPU, set ``KVCORE_LEDGER_GROUP`` to a
@@ -101,7 +102,7 @@ MAX_BYTES = 1 << 56
 """Instance slots per GPU ledger."""
 LOCK_TIMEOUT_S = 5.0
 REGISTER_LOCK_WAIT_S = 120.0
-"""An instance registering (an engine starting) waits this long for a held ledger lock."""
+"""An instance starting (opening the ledger, registering) waits this long for a held lock."""
 GATE_LOCK_WAIT_S = 0.05
 """How long a serving instance's gate waits for the ledger lock on its hot path before it
 treats the ledger as busy (``LedgerGate``): an allocation miss, a deferred release."""
@@ -402,11 +403,14 @@ class GpuLedger:
         path = ledger_path(device_uuid, directory)
         if device_total is not None and not path.exists():
             _create(path, device_uuid, device_total)
-        return cls.open_path(path, expect_uuid=device_uuid)
+        return cls.open_path(path, expect_uuid=device_uuid, waiter="an instance opening it")
 
     @classmethod
-    def open_path(cls, path: Path, *, expect_uuid: str | None = None) -> GpuLedger:
-        """Open an existing ledger file by path (``kvctl``, ``kvtop``). Raises as ``open``."""
+    def open_path(
+        cls, path: Path, *, expect_uuid: str | None = None, waiter: str | None = None
+    ) -> GpuLedger:
+        """Open an existing ledger file by path (``kvctl``, ``kvtop``). Raises as ``open``;
+        ``waiter`` (an instance starting) waits for a held lock as ``_lock_patiently``."""
         try:
             # O_NONBLOCK: a FIFO planted at the path must not hang us (no effect on files)
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -423,7 +427,10 @@ class GpuLedger:
                 "in kvcore.gpu_ledger to share a GPU between users",
             ) from None
         try:
-            _lock_fd(fd, fcntl.LOCK_SH, path)
+            if waiter is None:
+                _lock_fd(fd, fcntl.LOCK_SH, path)
+            else:
+                _lock_patiently(fd, fcntl.LOCK_SH, path, waiter)
             try:
                 st = os.fstat(fd)
                 size = st.st_size
@@ -462,11 +469,16 @@ class GpuLedger:
     # -- locking -------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _locked(self, exclusive: bool, timeout: float | None = None) -> Iterator[mmap.mmap]:
+    def _locked(self, exclusive: bool, waiter: str | None = None) -> Iterator[mmap.mmap]:
+        """The file lock (``waiter``: an instance starting, which waits patiently and names
+        itself in the warnings, ``_lock_patiently``) and the mapped buffer."""
         with self._tlock:
             self._check_usable()
             op = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-            _lock_fd(self._fd, op, self.path, timeout=timeout)
+            if waiter is None:
+                _lock_fd(self._fd, op, self.path)
+            else:
+                _lock_patiently(self._fd, op, self.path, waiter)
             try:
                 self._check_size()
                 yield self._buf
@@ -639,24 +651,6 @@ class GpuLedger:
 
     # -- instance side (used by LedgerGate) ----------------------------------------------
 
-    @contextlib.contextmanager
-    def _locked_to_register(self, name: str) -> Iterator[mmap.mmap]:
-        """The exclusive lock for registering ``name``: an engine starting while a stopped
-        ``kvctl`` or process holds the lock waits for it (saying so every
-        ``LOCK_TIMEOUT_S``) up to ``REGISTER_LOCK_WAIT_S``, then raises ``LedgerBusy``."""
-        deadline = time.monotonic() + REGISTER_LOCK_WAIT_S
-        with contextlib.ExitStack() as stack:
-            while True:
-                wait = min(LOCK_TIMEOUT_S, max(deadline - time.monotonic(), 0.0))
-                try:
-                    buf = stack.enter_context(self._locked(exclusive=True, timeout=wait))
-                    break
-                except LedgerBusy as exc:
-                    if time.monotonic() >= deadline:
-                        raise
-                    log.warning("kvcore: registering %r waits for the ledger lock: %s", name, exc)
-            yield buf
-
     def _register(
         self,
         *,
@@ -684,7 +678,7 @@ class GpuLedger:
         start = process_start_time(pid)
         assert start is not None
         token = secrets.randbits(63) | 1
-        with self._locked_to_register(name) as buf:
+        with self._locked(exclusive=True, waiter=f"registering {name!r}") as buf:
             self._reclaim_locked(buf)
             free_slot = None
             for slot in range(CAPACITY):
@@ -819,6 +813,22 @@ def _lock_fd(fd: int, op: int, path: Path, timeout: float | None = None) -> None
                     f"`fuser {path}` (or lslocks)",
                 ) from None
             delay = min(delay * 2, 0.005)
+
+
+def _lock_patiently(fd: int, op: int, path: Path, waiter: str) -> None:
+    """``_lock_fd`` for an instance starting (``waiter`` names it): a lock held by a stopped
+    ``kvctl`` or process is waited for up to ``REGISTER_LOCK_WAIT_S``, with a warning every
+    ``LOCK_TIMEOUT_S``, and only then ``LedgerBusy`` is raised."""
+    deadline = time.monotonic() + REGISTER_LOCK_WAIT_S
+    while True:
+        wait = min(LOCK_TIMEOUT_S, max(deadline - time.monotonic(), 0.0))
+        try:
+            _lock_fd(fd, op, path, timeout=wait)
+            return
+        except LedgerBusy as exc:
+            if time.monotonic() >= deadline:
+                raise
+            log.warning("kvcore: %s waits for the ledger lock: %s", waiter, exc)
 
 
 def _check_header(path: Path, head: bytes, size: int, expect_uuid: str | None) -> None:
@@ -1024,7 +1034,8 @@ class LedgerGate:
             ledger.close()
             raise
         gate._owns_ledger = True
-        ledger.note_device_free(info.free)
+        with contextlib.suppress(LedgerBusy):  # informative; the gate publishes it again
+            ledger.note_device_free(info.free)
         return gate
 
     # -- MemoryGate ----------------------------------------------------------------------

@@ -4,6 +4,7 @@ processes sharing one budget (``tests/ledger_procs.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import grp
 import logging
@@ -384,8 +385,8 @@ def test_other_ledger_users_still_raise_on_a_stuck_lock_holder(
 
 
 class _ReleaseOnWarning(logging.Handler):
-    """Lets go of a held ledger lock (closes ``fd``) once the registering instance says it
-    waits for it."""
+    """Lets go of a held ledger lock (closes ``fd``) once a starting instance says it waits
+    for it."""
 
     def __init__(self, fd: int) -> None:
         super().__init__()
@@ -397,25 +398,42 @@ class _ReleaseOnWarning(logging.Handler):
             os.close(self.fd)
 
 
-def test_an_instance_registering_waits_for_a_stuck_lock_holder(
-    ledger: GpuLedger, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An engine starting while a stopped ``kvctl`` holds the lock waits (and says so)
-    instead of failing after ``LOCK_TIMEOUT_S``; it registers once the lock is free."""
-    monkeypatch.setattr(gpu_ledger, "LOCK_TIMEOUT_S", 0.05)
-    monkeypatch.setattr(gpu_ledger, "REGISTER_LOCK_WAIT_S", 60.0)
+@contextlib.contextmanager
+def _held_until_waited_for(ledger: GpuLedger) -> Iterator[_ReleaseOnWarning]:
+    """Another holder takes ``ledger``'s lock and keeps it until a starting instance warns
+    that it waits for it (so the wait is certain, whatever the machine's speed)."""
     fd = os.open(ledger.path, os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)
     release = _ReleaseOnWarning(fd)
     logger = logging.getLogger(gpu_ledger.__name__)
     logger.addHandler(release)
     try:
-        b = gate(ledger, "b")  # before: LedgerBusy after 0.05 s
+        yield release
     finally:
         logger.removeHandler(release)
         if not release.seen:
             os.close(fd)
+
+
+def test_an_instance_registering_waits_for_a_stuck_lock_holder(
+    ledger: GpuLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine starting while a stopped ``kvctl`` holds the lock waits (and says so)
+    instead of failing after ``LOCK_TIMEOUT_S``; it registers once the lock is free."""
+    monkeypatch.setattr(gpu_ledger, "LOCK_TIMEOUT_S", 0.05)
+    with _held_until_waited_for(ledger) as release:
+        b = gate(ledger, "b")  # before: LedgerBusy after 0.05 s
     assert release.seen == 1 and b.record().name == "b"
+
+
+def test_an_instance_opening_the_ledger_waits_for_a_stuck_lock_holder(
+    ledger: GpuLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gpu_ledger, "LOCK_TIMEOUT_S", 0.05)
+    with _held_until_waited_for(ledger) as release:
+        opened = GpuLedger.open(UUID)  # before: LedgerBusy after 0.05 s
+    assert release.seen == 1
+    opened.close()
 
 
 def test_an_instance_registering_gives_up_after_the_register_wait(
