@@ -149,6 +149,14 @@ def _rebase_session(name: str) -> None:
     nox.session(name=f"rebase-{name}", python=PYTHON)(rebase)
 
 
+@nox.session(python=PYTHON)
+def roll(session: nox.Session) -> None:
+    """Pin a new release: fetch, rebase the nearest series, build, report (-- <engine> <v>)."""
+    if len(session.posargs) < 2:
+        session.error("usage: nox -s roll -- <engine> <version> [--continue] [--force]")
+    _patchq(session, "roll", *session.posargs)
+
+
 for _rel in MATRIX:
     _build_session(_rel.name, _rel.version, _rel.short)
 for _name in dict.fromkeys(rel.name for rel in MATRIX):

@@ -10,6 +10,7 @@ import it from the checkout, like ``compat``. The pieces, one module each:
 * ``check``      every series applies exactly and re-exports byte for byte
 * ``wheel``      the forked wheel ``<version>+kvcore.<n>`` and its install check
 * ``rebase``     replay a series onto another release, with a per-patch conflict report
+* ``roll``       pin a new release: fetch, rebase the nearest series, build, report
 * ``errors``     ``PatchqError`` and its subclasses (context + next command)
 
 The command line is ``python -m patchq``; see ``docs/patchq.md`` for the maintainer workflow.

@@ -55,9 +55,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("engine")
     p.add_argument("target", help="the release to rebase onto (pinned or not)")
     p.add_argument("--from", dest="source", help="the series to replay (default: newest pinned)")
+    _resume_flags(p)
+
+    p = sub.add_parser(
+        "roll",
+        help="pin a new release: fetch it, rebase the nearest series onto it, build, report",
+    )
+    p.add_argument("engine")
+    p.add_argument("version", help="a release compat/matrix.toml does not pin yet")
+    _resume_flags(p)
+    p.add_argument(
+        "--no-install-check", action="store_true", help="build the wheel without installing it"
+    )
+    return parser
+
+
+def _resume_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--continue", dest="resume", action="store_true", help="after resolving")
     p.add_argument("--force", action="store_true", help="replace an existing target fork")
-    return parser
 
 
 def _run(args: argparse.Namespace, ws: Workspace) -> None:
@@ -97,6 +112,17 @@ def _run(args: argparse.Namespace, ws: Workspace) -> None:
 
         rebase(
             ws, args.engine, args.target, source=args.source, resume=args.resume, force=args.force
+        )
+    elif args.command == "roll":
+        from patchq.roll import roll
+
+        roll(
+            ws,
+            args.engine,
+            args.version,
+            resume=args.resume,
+            force=args.force,
+            install_check=not args.no_install_check,
         )
 
 

@@ -87,10 +87,22 @@ class ExportMismatch(PatchqError):
 class RebaseConflict(PatchqError):
     """Replaying a series onto a new release stopped at a conflict. ``report`` lists, per
     conflicting file, the hunks (line numbers of conflict markers) to resolve; the fork is left
-    in the ``git am`` state so the maintainer can resolve and continue or abort."""
+    in the ``git am`` state so the maintainer can resolve and continue or abort. ``files`` is
+    the same per file as data (``{path: {"hunks": [...], "markers": [...]}}``) and ``index``
+    the 1-based position of the stopped patch in the series."""
 
-    def __init__(self, message: str, *, report: list[str], **context: Any) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        report: list[str],
+        files: dict[str, dict[str, list[Any]]] | None = None,
+        index: int = 0,
+        **context: Any,
+    ) -> None:
         self.report = report
+        self.files = files or {}
+        self.index = index
         super().__init__(message, **context)
 
 

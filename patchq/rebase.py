@@ -22,6 +22,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from packaging.utils import parse_wheel_filename
 from packaging.version import Version
@@ -112,10 +113,20 @@ def _pick(art: Artifact, files: list[RemoteFile], engine: str, target: str) -> A
     return Artifact(art.kind, found[0].filename, found[0].sha256)
 
 
-def new_release(ws: Workspace, src: EngineRelease, target: str) -> EngineRelease:
+def commands(via: str, engine: str, target: str) -> tuple[str, str]:
+    """The nox session and the ``python -m patchq`` command line that run verb ``via``
+    (``"rebase"`` or ``"roll"``) for ``engine`` ``target`` (append ``--continue`` to finish)."""
+    session = f"roll -- {engine}" if via == "roll" else f"rebase-{engine} --"
+    return f"nox -s {session} {target}", f"python -m patchq {via} {engine} {target}"
+
+
+def new_release(
+    ws: Workspace, src: EngineRelease, target: str, *, via: str = "rebase"
+) -> EngineRelease:
     """The matrix entry for unpinned ``target``: for each artifact ``src`` pins, the file of
     ``target`` with the same kind and tags, with the sha256 the index publishes; every backend
-    ``untested``. Raises ``ArtifactError`` when a file cannot be matched unambiguously."""
+    of ``src`` ``untested``, with a note naming ``via`` (``"rebase"`` or ``"roll"``). Raises
+    ``ArtifactError`` when a file cannot be matched unambiguously."""
     files = ws.cache.source.files(src.name, target)
     artifacts = tuple(_pick(a, files, src.name, target) for a in src.artifacts)
     released = release_of(artifacts[0].filename)
@@ -124,17 +135,27 @@ def new_release(ws: Workspace, src: EngineRelease, target: str) -> EngineRelease
     short = target if src.short == src.version else ".".join(target.split(".")[:depth])
     if any(r.name == src.name and r.short == short for r in ws.releases()):
         short = target
-    note = f"series rebased from {src.version} by `nox -s rebase-{src.name}`; not yet run"
-    backends = {b: BackendStatus("untested", note) for b in compat_matrix.BACKENDS}
+    if via == "roll":
+        note = f"rolled from {src.version} by `nox -s roll` (series rebased); not yet run"
+    else:
+        note = f"series rebased from {src.version} by `nox -s rebase-{src.name}`; not yet run"
+    backends = {b: BackendStatus("untested", note) for b in src.backends}
     return EngineRelease(src.name, target, short, src.python, artifacts, backends)
 
 
-def matrix_block(rel: EngineRelease) -> str:
-    """``rel`` as a ``compat/matrix.toml`` ``[[engine]]`` block."""
+def matrix_block(rel: EngineRelease, *, via: str = "rebase") -> str:
+    """``rel`` as a ``compat/matrix.toml`` ``[[engine]]`` block, its comment naming the
+    command (``via``) that added it."""
     pythons = ", ".join(f'"{p}"' for p in rel.python)
+    if via == "roll":
+        added = "# Added by `nox -s roll`: hashes as the index publishes them; the files matched."
+    else:
+        added = (
+            f"# Added by `nox -s rebase-{rel.name}`: hashes as the package index publishes them."
+        )
     lines = [
         "",
-        f"# Added by `nox -s rebase-{rel.name}`: hashes as the package index publishes them.",
+        added,
         "[[engine]]",
         f'name = "{rel.name}"',
         f'version = "{rel.version}"',
@@ -190,9 +211,12 @@ def _conflict(ws: Workspace, fork: Path, state: dict[str, str], stop: Stop) -> R
     patches = json.loads(state["patches"])
     name = patches[stop.index - 1]
     rel_fork = _shown(ws, fork)
+    session, command = commands(state.get("via", "rebase"), engine, target)
     report = [f"patch {stop.index}/{len(patches)} {name} stopped:"]
+    files = {}
     for path, lines in stop.files.items():
-        hunks = ", ".join(_patch_hunks(fork, path)) or "?"
+        files[path] = {"hunks": _patch_hunks(fork, path), "markers": lines}
+        hunks = ", ".join(files[path]["hunks"]) or "?"
         where = (
             f"conflict markers at lines {', '.join(map(str, lines))}"
             if lines
@@ -206,8 +230,8 @@ def _conflict(ws: Workspace, fork: Path, state: dict[str, str], stop: Stop) -> R
     report += [
         "resolve: edit the files above in the fork, then `git add` them:",
         f"  cd {rel_fork}",
-        f"continue: nox -s rebase-{engine} -- {target} --continue",
-        f"  (or python -m patchq rebase {engine} {target} --continue; to drop this patch "
+        f"continue: {session} --continue",
+        f"  (or {command} --continue; to drop this patch "
         f"instead: git -C {rel_fork} am --skip, then --continue)",
         f"abort: git -C {rel_fork} am --abort && rm -rf {rel_fork}",
         "nothing under patches/ or in compat/matrix.toml has been written",
@@ -215,11 +239,13 @@ def _conflict(ws: Workspace, fork: Path, state: dict[str, str], stop: Stop) -> R
     return RebaseConflict(
         "replaying the series stopped at a conflict:\n" + "\n".join(report),
         report=report,
+        files=files,
+        index=stop.index,
         engine=engine,
         version=target,
         patch=name,
         file=", ".join(stop.files) or None,
-        hint=f"resolve in {rel_fork}, then nox -s rebase-{engine} -- {target} --continue",
+        hint=f"resolve in {rel_fork}, then {session} --continue",
     )
 
 
@@ -238,9 +264,12 @@ def rebase(
     source: str | None = None,
     resume: bool = False,
     force: bool = False,
+    via: str = "rebase",
 ) -> Rebased:
     """Replay ``source``'s series (default: the newest pinned release of ``engine`` with one)
-    onto release ``target`` and write ``patches/<engine>/<target>/``.
+    onto release ``target`` and write ``patches/<engine>/<target>/``. ``via`` names the
+    command the matrix note and the conflict report's next steps mention (``"roll"``: the
+    ``roll`` command drives this rebase).
 
     Raises ``RebaseConflict`` (fork left in ``git am``; see the module docstring),
     ``ForkError`` when the target fork exists (use ``resume`` or ``force``) or there is nothing
@@ -260,7 +289,7 @@ def rebase(
     try:
         tgt, added = ws.release(engine, target), False
     except compat_matrix.MatrixError:
-        tgt, added = new_release(ws, src, target), True
+        tgt, added = new_release(ws, src, target, via=via), True
     fork = ws.root / "forks" / engine / tgt.version
     ctx = {"engine": engine, "version": tgt.version}
     if read(ws.series_dir(tgt)).exists and not force:
@@ -302,7 +331,8 @@ def rebase(
         "source": src.version,
         "target": tgt.version,
         "patches": json.dumps(list(series.patches)),
-        "matrix_block": matrix_block(tgt) if added else "",
+        "matrix_block": matrix_block(tgt, via=via) if added else "",
+        "via": via,
     }
     (fork / ".git" / _STATE).write_text(json.dumps(state, indent=1))
     with step(f"replaying {len(series.patches)} patches of {src.version} onto {tgt.version}"):
@@ -312,17 +342,31 @@ def rebase(
     return _finish(ws, fork, state, tgt)
 
 
-def _resume(ws: Workspace, engine: str, target: str) -> Rebased:
+def in_progress(fork: Path) -> bool:
+    """Whether a rebase started in ``fork`` waits for ``--continue``."""
+    return (fork / ".git" / _STATE).exists()
+
+
+def saved_state(
+    ws: Workspace, engine: str, target: str, *, via: str = "rebase"
+) -> tuple[Path, dict[str, Any]]:
+    """The fork of ``engine`` ``target`` and the state ``via`` (``"rebase"``, ``"roll"``)
+    kept in its ``.git/kvcore-<via>.json`` for ``--continue``. Raises ``ForkError`` (with the
+    command that starts one) when there is none."""
     fork = ws.root / "forks" / engine / target
-    state_file = fork / ".git" / _STATE
+    state_file = fork / ".git" / f"kvcore-{via}.json"
     if not state_file.exists():
         raise ForkError(
-            f"no rebase to continue in {fork}",
+            f"no {via} to continue in {fork}",
             engine=engine,
             version=target,
-            hint=f"start one: nox -s rebase-{engine} -- {target}",
+            hint=f"start one: {commands(via, engine, target)[0]}",
         )
-    state = json.loads(state_file.read_text())
+    return fork, json.loads(state_file.read_text())
+
+
+def _resume(ws: Workspace, engine: str, target: str) -> Rebased:
+    fork, state = saved_state(ws, engine, target)
     if am_in_progress(fork):
         unmerged = gitcmd.out(fork, "diff", "--name-only", "--diff-filter=U")
         if unmerged:
@@ -347,6 +391,18 @@ def _target_release(ws: Workspace, fork: Path, state: dict[str, str]) -> EngineR
         scratch.unlink()
 
 
+def range_diff(fork: Path, source: str) -> str:
+    """``git range-diff`` of the ``source`` series (branch ``kvcore-<source>`` on its base) vs
+    the rebased one (``kvcore`` on ``refs/kvcore/upstream``) in rebase fork ``fork``."""
+    return gitcmd.out(
+        fork,
+        "range-diff",
+        "--no-color",
+        f"{base_ref(source)}..{BRANCH}-{source}",
+        f"{UPSTREAM_REF}..{BRANCH}",
+    )
+
+
 def _finish(ws: Workspace, fork: Path, state: dict[str, str], tgt: EngineRelease) -> Rebased:
     directory = export(ws, tgt, fork=fork)
     if state["matrix_block"]:
@@ -354,13 +410,7 @@ def _finish(ws: Workspace, fork: Path, state: dict[str, str], tgt: EngineRelease
         info(f"added {tgt.name} {tgt.version} to {ws.matrix_path} as untested")
     (fork / ".git" / _STATE).unlink()
     src = state["source"]
-    diff = gitcmd.out(
-        fork,
-        "range-diff",
-        "--no-color",
-        f"{base_ref(src)}..{BRANCH}-{src}",
-        f"{UPSTREAM_REF}..{BRANCH}",
-    )
+    diff = range_diff(fork, src)
     # The review artifact goes to stdout unwrapped, so it can be redirected to a file.
     print(f"range-diff {tgt.name} {src} -> {tgt.version}:\n{diff or '(empty series)'}", flush=True)
     info(f"rebased series written to {_shown(ws, directory)}; fork at {_shown(ws, fork)}")

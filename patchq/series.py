@@ -163,3 +163,22 @@ def check_paths(series: Series, *, engine: str = "", version: str = "") -> None:
                     patch=path.name,
                     hint=f"keep patches to regular files under {package} and re-export",
                 )
+
+
+def lines_touched(patch_text: str) -> dict[str, int]:
+    """What a format-patch file changes: ``added`` and ``removed`` lines of files that exist
+    upstream (the "upstream lines touched") and ``new_file_lines``, the lines of files it
+    creates."""
+    counts = {"added": 0, "removed": 0, "new_file_lines": 0}
+    new_file = in_hunk = False  # the message and the file headers count for nothing
+    for line in patch_text.splitlines():
+        if line.startswith("diff --git "):
+            new_file = in_hunk = False
+        elif not in_hunk:
+            new_file = new_file or line.startswith("new file mode ")
+            in_hunk = line.startswith("@@ ")
+        elif line.startswith("+"):
+            counts["new_file_lines" if new_file else "added"] += 1
+        elif line.startswith("-"):
+            counts["removed"] += 1
+    return counts
