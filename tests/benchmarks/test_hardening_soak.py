@@ -23,7 +23,7 @@ from kvcore.tensors import LocalPageMapper, VirtualKVCache
 from kvcore.vmm import open_backend
 
 GRAN = 64 << 10
-DEADLINE = 0.5  # the listener's handshake deadline in these tests, seconds
+DEADLINE = 2.0  # the listener's handshake deadline in these tests, seconds: room for a loaded CI
 SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "hardening_soak.py"
 
 
@@ -119,10 +119,11 @@ def test_refusal_kind_names_each_documented_refusal(
 def test_each_hostile_worker_gets_its_documented_coordinator_error(
     soak: ModuleType, base: Path, kind: str
 ) -> None:
-    threads = threading.active_count()
+    before = set(threading.enumerate())  # earlier tests' threads may end meanwhile
     assert soak.hostile_worker(base, kind, deadline=DEADLINE) == soak.WORKER_EXPECTED[kind]
     assert list(base.iterdir()) == []  # its channel directory is gone
-    assert threading.active_count() == threads  # every stand-in thread was joined
+    left = [t.name for t in set(threading.enumerate()) - before]
+    assert left == []  # every stand-in thread this call started was joined
 
 
 def _reports(soak: ModuleType) -> tuple[dict[str, object], dict[str, object]]:
