@@ -209,14 +209,37 @@ def _models(dest: Path) -> Path:
     return out
 
 
+_TAR_MEMBER = 4096
+"""Bytes a tar member may take beyond its data (header and padding), at most."""
+_TAR_END = tarfile.RECORDSIZE
+"""Bytes a tar file may take beyond its members (end blocks, padded to a record)."""
+
+
+def split_member(f: Path, limit: int) -> list[Path]:
+    """``f`` itself when it fits a part of ``limit`` bytes, else its pieces beside it, each
+    fitting one, named ``<name>.<k>-of-<n>`` (k from 1): ``vllm_device.sh unpack`` joins
+    them once all have arrived, in any order of parts."""
+    size, room = f.stat().st_size, limit - _TAR_END - _TAR_MEMBER
+    if size <= room:
+        return [f]
+    n = -(-size // room)
+    pieces = []
+    with f.open("rb") as src:
+        for k in range(1, n + 1):
+            piece = f.with_name(f"{f.name}.{k}-of-{n}")
+            piece.write_bytes(src.read(room))
+            pieces.append(piece)
+    return pieces
+
+
 def _pack(files: list[Path], out: Path, limit: int) -> list[list[Path]]:
-    """First-fit-decreasing into parts of at most ``limit`` bytes each."""
+    """First-fit-decreasing into parts of at most ``limit`` bytes each (a larger file goes
+    in pieces, ``split_member``)."""
     parts: list[list[Path]] = []
     sizes: list[int] = []
-    for f in sorted(files, key=lambda p: p.stat().st_size, reverse=True):
-        size = f.stat().st_size + 4096
-        if size > limit:
-            sys.exit(f"{f.name} is {size >> 20} MiB, over the {limit >> 20} MiB part limit")
+    pieces = [piece for f in files for piece in split_member(f, limit)]
+    for f in sorted(pieces, key=lambda p: p.stat().st_size, reverse=True):
+        size = f.stat().st_size + _TAR_MEMBER
         for i, used in enumerate(sizes):
             if used + size <= limit:
                 parts[i].append(f)
@@ -224,7 +247,7 @@ def _pack(files: list[Path], out: Path, limit: int) -> list[list[Path]]:
                 break
         else:
             parts.append([f])
-            sizes.append(size)
+            sizes.append(_TAR_END + size)
     for i, members in enumerate(parts, 1):
         with tarfile.open(out / f"part-{i}.tar", "w") as tar:
             for f in members:
@@ -241,8 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--part-mib",
         type=int,
-        default=61,
-        help="part size limit: a call carries 64 MiB, the checkout's ~2 MiB included",
+        default=56,
+        help="part size limit: a call carries 64 MiB with the checkout (about 4 MiB) "
+        "included; a larger file goes in pieces",
     )
     args = parser.parse_args(argv)
     wheel = args.wheel or max(

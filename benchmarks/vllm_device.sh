@@ -11,30 +11,52 @@
 # into $KVDEV/site, the offline model directories into $KVDEV/models. run: the command with
 # that site and this checkout (kvcore) first on PYTHONPATH and the offline settings vLLM
 # needs there (no hub; no flashinfer, so torch's sampler), KVCORE_MODEL_DIR set to the
-# Qwen3-0.6B-shaped model. `status` says which parts are in.
+# Qwen3-0.6B-shaped model. `status` says which parts are in. A file the bundle split into
+# pieces (NAME.K-of-N, in different parts) is joined once its last piece is unpacked.
 set -euo pipefail
 KVDEV=${KVDEV:-/tmp/kvdev}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 
+member() {  # install one bundle member (a file under $tmp)
+  local f=$1 dest
+  case "$f" in
+    */wheels.tar)
+      tar -xf "$f" -C "$tmp"
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target "$KVDEV/site" "$tmp"/wheels/*.whl ;;
+    */vllm-py.tar.xz) tar -xJf "$f" -C "$KVDEV/site" ;;
+    */models.tar.xz) tar -xJf "$f" -C "$KVDEV" ;;
+    *.so.xz)  # the file name is the module's path with / written as %
+      dest="$KVDEV/site/$(basename "$f" .xz | tr '%' '/')"
+      mkdir -p "$(dirname "$dest")"
+      xz -dc "$f" >"$dest" ;;
+    *) echo "vllm_device.sh: unknown bundle member $f" >&2; exit 2 ;;
+  esac
+}
+
+piece() {  # keep a piece (NAME.K-of-N); once all N are here, join and install NAME
+  local f=$1 name k n i
+  name=$(basename "$f"); n=${name##*-of-}; k=${name%-of-*}; k=${k##*.}; name=${name%.*-of-*}
+  mkdir -p "$KVDEV/pieces"
+  mv "$f" "$KVDEV/pieces/"
+  for i in $(seq 1 "$n"); do
+    [ -e "$KVDEV/pieces/$name.$i-of-$n" ] || { echo "kept piece $k of $n of $name"; return; }
+  done
+  for i in $(seq 1 "$n"); do cat "$KVDEV/pieces/$name.$i-of-$n"; done >"$tmp/$name"
+  rm -f "$KVDEV/pieces/$name".*-of-"$n"
+  member "$tmp/$name"
+  echo "joined $n pieces of $name"
+}
+
 unpack() {
-  local part=$1 tmp
+  local part=$1 f
   tmp=$(mktemp -d)
   tar -xf "$part" -C "$tmp"
   mkdir -p "$KVDEV/site" "$KVDEV/parts"
   for f in "$tmp"/*; do
     case "$f" in
-      */wheels.tar)
-        tar -xf "$f" -C "$tmp"
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-          --target "$KVDEV/site" "$tmp"/wheels/*.whl ;;
-      */vllm-py.tar.xz) tar -xJf "$f" -C "$KVDEV/site" ;;
-      */models.tar.xz) tar -xJf "$f" -C "$KVDEV" ;;
-      *.so.xz)  # the file name is the module's path with / written as %
-        local dest
-        dest="$KVDEV/site/$(basename "$f" .xz | tr '%' '/')"
-        mkdir -p "$(dirname "$dest")"
-        xz -dc "$f" >"$dest" ;;
-      *) echo "vllm_device.sh: unknown bundle member $f" >&2; exit 2 ;;
+      *.[0-9]*-of-[0-9]*) piece "$f" ;;
+      *) member "$f" ;;
     esac
   done
   touch "$KVDEV/parts/$(basename "$part")"
@@ -53,5 +75,5 @@ case "${1:-}" in
     export KVCORE_MODEL_DIR=${KVCORE_MODEL_DIR:-$KVDEV/models/qwen3-0.6b}
     export PATH="$KVDEV/site/bin:$PATH"
     exec "$@" ;;
-  *) sed -n '2,14p' "$0"; exit 2 ;;
+  *) sed -n '2,16p' "$0"; exit 2 ;;
 esac

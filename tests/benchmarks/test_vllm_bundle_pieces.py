@@ -1,0 +1,51 @@
+"""A bundle member larger than a part travels in pieces and is joined on the GPU machine:
+``vllm_bundle.split_member`` / ``_pack`` here, ``vllm_device.sh unpack`` there (run here on
+a tiny bundle, its parts unpacked in reverse order, one call each)."""
+
+from __future__ import annotations
+
+import lzma
+import os
+import subprocess
+from pathlib import Path
+
+from benchmarks import vllm_bundle
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_large_member_is_split_and_joined_back_whatever_the_part_order(
+    tmp_path: Path,
+) -> None:
+    payload = os.urandom(300_000)  # incompressible: the .xz stays about this large
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    big = staged / "vllm%_big_kernel.abi3.so.xz"
+    big.write_bytes(lzma.compress(payload))
+    small = staged / "vllm%_small.abi3.so.xz"
+    small.write_bytes(lzma.compress(b"small"))
+    out = tmp_path / "out"
+    out.mkdir()
+    limit = 128 << 10
+    parts = vllm_bundle._pack([big, small], out, limit)
+    names = [p.name for members in parts for p in members]
+    assert big.name not in names and sum(n.startswith(big.name + ".") for n in names) == 3
+    tars = sorted(out.glob("part-*.tar"))
+    assert all(t.stat().st_size <= limit for t in tars)
+    kvdev = tmp_path / "kvdev"
+    for tar in reversed(tars):  # the pieces arrive in any order
+        subprocess.run(
+            ["bash", str(ROOT / "benchmarks" / "vllm_device.sh"), "unpack", str(tar)],
+            env={**os.environ, "KVDEV": str(kvdev)},
+            check=True,
+            capture_output=True,
+        )
+    assert (kvdev / "site" / "vllm" / "_big_kernel.abi3.so").read_bytes() == payload
+    assert (kvdev / "site" / "vllm" / "_small.abi3.so").read_bytes() == b"small"
+    assert list((kvdev / "pieces").iterdir()) == []  # joined pieces are not kept
+
+
+def test_a_member_that_fits_is_not_split(tmp_path: Path) -> None:
+    f = tmp_path / "models.tar.xz"
+    f.write_bytes(b"x" * 1000)
+    assert vllm_bundle.split_member(f, 1 << 20) == [f]
