@@ -41,7 +41,7 @@ PAGE_PAGES = 64  # page ids per worker cache (virtual; only a few are ever mappe
 
 
 def _geometry(backend: Any) -> Any:
-    from kvcore.geometry import KVGeometry
+    from kvcore.memory.geometry import KVGeometry
 
     gran = backend.granularity()
     # One page id = one granularity-sized handle holding 4 blocks of 4 layers x (K, V).
@@ -64,8 +64,9 @@ def _open(backend_name: str, device: int) -> Any:
 
 
 def _worker(backend_name: str, device: int, rank: int, channel_dir: str, pipe: Connection) -> None:
-    from kvcore.channel import WorkerListener
-    from kvcore.tensors import LocalPageMapper, VirtualKVCache
+    from kvcore.memory.local_mapper import LocalPageMapper
+    from kvcore.memory.virtual_cache import VirtualKVCache
+    from kvcore.parallel.channel import WorkerListener
 
     backend = _open(backend_name, device)
     cache = VirtualKVCache(backend, _geometry(backend))
@@ -100,7 +101,8 @@ def _time(mapper: Any, iters: int, warmup: int, batch: int) -> tuple[list[float]
 
 
 def _local(args: argparse.Namespace, pool_pages: int) -> tuple[float, float]:
-    from kvcore.tensors import LocalPageMapper, VirtualKVCache
+    from kvcore.memory.local_mapper import LocalPageMapper
+    from kvcore.memory.virtual_cache import VirtualKVCache
 
     backend = _open(args.backend, 0)
     cache = VirtualKVCache(backend, _geometry(backend))
@@ -117,7 +119,7 @@ def _local(args: argparse.Namespace, pool_pages: int) -> tuple[float, float]:
 def _channel(args: argparse.Namespace, workers: int) -> tuple[float, float, float, float]:
     """Median per-page map and unmap seconds, and CPU seconds per page per cycle (map +
     prepare + commit) spent by this process and by the average worker."""
-    from kvcore.channel import ChannelCoordinator, ChannelDirectory
+    from kvcore.parallel.channel import ChannelCoordinator, ChannelDirectory
 
     base = Path(tempfile.mkdtemp(prefix="kvcb"))
     directory = ChannelDirectory.create(base)

@@ -81,7 +81,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcore.gpu_ledger import DIR_ENV
+from kvcore.budget.ledger import DIR_ENV
 
 GiB = 1 << 30
 BLOCK_TOKENS = 16
@@ -402,7 +402,7 @@ class _Instance:
         self._ledger: Any = None
         if self.elastic:
             from kvcore.adapters.vllm import elastic_settings, manager_for
-            from kvcore.gpu_ledger import GpuLedger
+            from kvcore.budget.ledger import GpuLedger
 
             # the shared ledger: where this instance's held bytes are read (_memory)
             self._ledger = GpuLedger.open(spec.device_uuid, directory=Path(spec.ledger_dir))
@@ -436,7 +436,7 @@ class _Instance:
         registers a plain ``LedgerGate``: what ``--async-release`` runs)."""
         import vllm
 
-        from kvcore.gpu_ledger import LedgerGate
+        from kvcore.budget.ledger import LedgerGate
 
         gate = LedgerGate(
             self._ledger,
@@ -593,7 +593,7 @@ def run_mode(
     lock-step rounds, with a fresh ledger under ``workdir`` (a scratch directory) and the
     instances' logs in ``logdir``; returns one result per instance. Raises ``DemoError`` if
     an instance fails (the others are stopped)."""
-    from kvcore.gpu_ledger import GpuLedger
+    from kvcore.budget.ledger import GpuLedger
     from kvcore.vmm import open_backend
 
     if mode not in MODES:

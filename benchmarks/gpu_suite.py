@@ -600,7 +600,7 @@ def open_kv_backend(suite: Suite, **options: Any) -> Any:
 
 
 def kv_geometry(backend: Any, shape: KVShape, num_blocks: int, page_bytes: int, layout: str) -> Any:
-    from kvcore.geometry import KVGeometry
+    from kvcore.memory.geometry import KVGeometry
 
     return KVGeometry(
         num_layers=shape.num_layers,
@@ -616,13 +616,13 @@ def kv_geometry(backend: Any, shape: KVShape, num_blocks: int, page_bytes: int, 
 def kv_cache(backend: Any, geometry: Any) -> Any:
     import torch
 
-    from kvcore.tensors import VirtualKVCache
+    from kvcore.memory.virtual_cache import VirtualKVCache
 
     return VirtualKVCache(backend, geometry, dtype=torch.bfloat16)
 
 
 def kv_mapper(cache: Any, **options: Any) -> Any:
-    from kvcore.tensors import LocalPageMapper
+    from kvcore.memory.local_mapper import LocalPageMapper
 
     return LocalPageMapper(cache, **options)
 
@@ -1311,8 +1311,8 @@ def _handoff_worker(conn: Any, spec: dict[str, Any]) -> None:
     """
     import torch
 
-    from kvcore.gpu_ledger import GpuLedger, LedgerGate
-    from kvcore.pages import PageAllocator
+    from kvcore.budget.ledger import GpuLedger, LedgerGate
+    from kvcore.memory.pages import PageAllocator
     from kvcore.vmm import open_backend
 
     if spec["backend"] == "cuda":
@@ -1811,7 +1811,7 @@ def _gpu_work(suite: Suite) -> tuple[Callable[[], None], float]:
 
 
 def kv_blocks(geometry: Any, pages: Any) -> Any:
-    from kvcore.blocks import BlockLedger
+    from kvcore.memory.blocks import BlockLedger
 
     return BlockLedger(geometry, pages)
 
@@ -1819,7 +1819,7 @@ def kv_blocks(geometry: Any, pages: Any) -> Any:
 def step_decode(suite: Suite) -> dict[str, Any]:
     import threading
 
-    from kvcore.pages import PageAllocator
+    from kvcore.memory.pages import PageAllocator
     from kvcore.vmm.faults import FaultInjector
 
     sz = suite.sizes

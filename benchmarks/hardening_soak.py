@@ -98,7 +98,7 @@ def device_uuid() -> str:
 
 
 def _geometry() -> Any:
-    from kvcore.geometry import KVGeometry
+    from kvcore.memory.geometry import KVGeometry
 
     return KVGeometry(
         num_layers=1, kv_buffers=1, block_bytes=GRAN // 4, num_blocks=4 * 256,
@@ -145,11 +145,12 @@ def instance(name: str, state: Path) -> int:
     ``LedgerGate`` -> ``PageAllocator`` -> ``BlockLedger`` until SIGTERM. Creates ``state``
     once its record is in the ledger (the controller kills only instances that have one).
     Returns 0 after a clean close, 3 after a fail-stop (said on stderr)."""
-    from kvcore.blocks import BlockLedger
+    from kvcore.budget.ledger import GpuLedger, LedgerGate
     from kvcore.errors import KvcoreError
-    from kvcore.gpu_ledger import GpuLedger, LedgerGate
-    from kvcore.pages import PageAllocator
-    from kvcore.tensors import LocalPageMapper, VirtualKVCache
+    from kvcore.memory.blocks import BlockLedger
+    from kvcore.memory.local_mapper import LocalPageMapper
+    from kvcore.memory.pages import PageAllocator
+    from kvcore.memory.virtual_cache import VirtualKVCache
     from kvcore.vmm.host import HostBackend
 
     backend = HostBackend(device_bytes=DEVICE, granularity=GRAN)
@@ -247,8 +248,9 @@ def channel_worker(channel_dir: Path, rank: int, report: Path, handshake: float)
     its parent process is gone). Writes ``report``: sessions, refusals by kind, and what
     was left after the close (mapped pages, handles, threads, file descriptors). Returns
     0."""
-    from kvcore.channel import WorkerListener
-    from kvcore.tensors import LocalPageMapper, VirtualKVCache
+    from kvcore.memory.local_mapper import LocalPageMapper
+    from kvcore.memory.virtual_cache import VirtualKVCache
+    from kvcore.parallel.channel import WorkerListener
     from kvcore.vmm.host import HostBackend
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the coordinator's CLOSE ends a worker
@@ -301,11 +303,11 @@ def channel_engine(base: Path, report: Path, handshake: float) -> int:
     type, what was left after the close (held bytes, the directory, threads, file
     descriptors) and the workers' reports. Returns 0 after a clean close, 3 after a
     fail-stop (said on stderr)."""
-    from kvcore.blocks import BlockLedger
-    from kvcore.channel import ChannelCoordinator, ChannelDirectory
+    from kvcore.budget.ledger import GpuLedger, LedgerGate
     from kvcore.errors import KvcoreError
-    from kvcore.gpu_ledger import GpuLedger, LedgerGate
-    from kvcore.pages import PageAllocator
+    from kvcore.memory.blocks import BlockLedger
+    from kvcore.memory.pages import PageAllocator
+    from kvcore.parallel.channel import ChannelCoordinator, ChannelDirectory
 
     map_times: list[float] = []
     map_errors: Counter[str] = Counter()
@@ -410,7 +412,7 @@ left before any answer)."""
 def _frame(
     kind: int, body: bytes, *, version: int | None = None, length: int | None = None
 ) -> bytes:
-    from kvcore.channel.messages import MAGIC, SCHEMA_VERSION
+    from kvcore.parallel.channel.messages import MAGIC, SCHEMA_VERSION
 
     ver = SCHEMA_VERSION if version is None else version
     size = len(body) if length is None else length
@@ -421,8 +423,8 @@ def _await_refusal(sock: socket.socket, reader: Any, wait: float) -> str:
     """What the worker answers on ``sock`` within ``wait`` seconds: the error type its
     refusal names, ``closed`` (closed with no answer), ``held`` (nothing yet), or
     ``accepted:<message type>`` (a hostile peer was served)."""
-    from kvcore.channel.messages import Reply, recv_message
     from kvcore.errors import KvcoreError
+    from kvcore.parallel.channel.messages import Reply, recv_message
 
     sock.settimeout(wait)
     try:
@@ -444,8 +446,8 @@ def hostile_peer(path: Path, kind: str, *, rank: int, deadline: float) -> list[s
     deadline being ``deadline`` seconds. Returns each connection's outcome: what
     ``_await_refusal`` saw within ``4 x deadline + 2`` seconds, ``vanished`` (the peer left
     first) or ``connect_failed`` (it never reached the worker)."""
-    from kvcore.channel.messages import FrameReader, Hello, Kind, Op, Request, encode
-    from kvcore.channel.worker import MAX_HANDSHAKES
+    from kvcore.parallel.channel.messages import FrameReader, Hello, Kind, Op, Request, encode
+    from kvcore.parallel.channel.worker import MAX_HANDSHAKES
 
     wait = 4 * deadline + 2
     count = 3 * MAX_HANDSHAKES if kind == "flood" else 1
@@ -508,7 +510,7 @@ def _connect(path: Path, wait: float) -> socket.socket | None:
 def _trickle(sock: socket.socket, reader: Any, deadline: float, wait: float) -> str:
     """A header announcing a 1,000-byte Hello, then a byte every ``deadline / 5`` seconds
     until the worker answers or stops reading."""
-    from kvcore.channel.messages import Kind
+    from kvcore.parallel.channel.messages import Kind
 
     with contextlib.suppress(OSError):
         sock.sendall(_frame(Kind.HELLO, b"", length=1000))
@@ -562,7 +564,7 @@ class _StandIn:
     up), then reads one request and sends ``reply`` (``None``: closes the connection)."""
 
     def __init__(self, directory: Path, rank: int, welcome: bytes | None, reply: bytes | None):
-        from kvcore.channel import socket_path
+        from kvcore.parallel.channel import socket_path
 
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(str(socket_path(directory, rank)))
@@ -573,8 +575,8 @@ class _StandIn:
         self.thread.start()
 
     def _serve(self) -> None:
-        from kvcore.channel.messages import FrameReader, recv_message
         from kvcore.errors import KvcoreError
+        from kvcore.parallel.channel.messages import FrameReader, recv_message
 
         try:
             conn, _ = self.sock.accept()
@@ -602,9 +604,9 @@ def hostile_worker(base: Path, kind: str, *, deadline: float) -> str:
     ``disagreeing_num_pages`` rank 1 is), with ``deadline`` seconds for the handshake and
     each request. Map one page on it if it starts, then close it. Returns the type of the
     error the coordinator raised (``served``: none). Removes the directory."""
-    from kvcore.channel import ChannelCoordinator
-    from kvcore.channel.messages import Kind, Op, Reply, Welcome, encode
     from kvcore.errors import KvcoreError
+    from kvcore.parallel.channel import ChannelCoordinator
+    from kvcore.parallel.channel.messages import Kind, Op, Reply, Welcome, encode
 
     def welcome(rank: int, num_pages: int = 8) -> bytes:
         return encode(Welcome(rank, os.getpid(), num_pages, GRAN))
@@ -643,7 +645,7 @@ def hostile_worker(base: Path, kind: str, *, deadline: float) -> str:
 
 def _huge_welcome() -> bytes:
     """A Welcome announcing 2^60 pages (``Welcome`` itself would encode it)."""
-    from kvcore.channel.messages import Kind
+    from kvcore.parallel.channel.messages import Kind
 
     body = json.dumps(
         {"rank": 0, "pid": 1, "num_pages": 1 << 60, "page_bytes": GRAN, "fixed_bytes": 0}
@@ -657,7 +659,7 @@ def hostile(channel_dir: Path, seconds: float, report: Path, deadline: float, se
     workers (the fourth), one act at a time. Writes ``report``: each act's end time
     (``time.monotonic``), the outcomes by kind, and what the process was left holding
     (threads, file descriptors, directories). Returns 0."""
-    from kvcore.channel import socket_path
+    from kvcore.parallel.channel import socket_path
 
     rng = random.Random(seed)
     fds0 = _fds()
@@ -804,8 +806,8 @@ def main() -> int:
 
 def soak(args: argparse.Namespace) -> int:
     """The controller (see the module docstring). Returns the exit status."""
+    from kvcore.budget.ledger import GpuLedger
     from kvcore.errors import KvcoreError
-    from kvcore.gpu_ledger import GpuLedger
 
     rng = random.Random(args.seed)
     counts: dict[str, Any] = dict.fromkeys(

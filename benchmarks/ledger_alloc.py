@@ -38,21 +38,22 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvcore.blocks import BlockLedger
-from kvcore.geometry import KVGeometry
-from kvcore.pages import PageAllocator
-from kvcore.tensors import LocalPageMapper, VirtualKVCache
+from kvcore.memory.blocks import BlockLedger
+from kvcore.memory.geometry import KVGeometry
+from kvcore.memory.local_mapper import LocalPageMapper
+from kvcore.memory.pages import PageAllocator
+from kvcore.memory.virtual_cache import VirtualKVCache
 from kvcore.vmm.faults import FaultInjector
 from kvcore.vmm.host import HostBackend
 
 GRANULARITY = 2 << 20
 _MEASURED = (  # the files whose code this benchmark times ("+dirty" if any is modified)
     "benchmarks/ledger_alloc.py",
-    "kvcore/blocks.py",
-    "kvcore/pages.py",
-    "kvcore/tensors.py",
-    "kvcore/geometry.py",
-    "kvcore/accounting.py",
+    "kvcore/memory/blocks.py",
+    "kvcore/memory/pages.py",
+    "kvcore/memory/virtual_cache.py",
+    "kvcore/memory/geometry.py",
+    "kvcore/budget/gate.py",
     "kvcore/vmm",
 )
 BATCH = 16

@@ -35,8 +35,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvcore.accounting import BudgetGate, UnlimitedGate
-from kvcore.gpu_ledger import DIR_ENV, GpuLedger, LedgerGate
+from kvcore.budget.gate import BudgetGate, UnlimitedGate
+from kvcore.budget.ledger import DIR_ENV, GpuLedger, LedgerGate
 
 UUID = "GPU-bench-ledger-gate"
 GiB = 1 << 30

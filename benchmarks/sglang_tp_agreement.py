@@ -1,4 +1,4 @@
-"""Cost of agreeing allocations across TP ranks (``kvcore.agreement.AgreedLedger``) on CPU.
+"""Cost of agreeing allocations across TP ranks (``kvcore.parallel.agreement.AgreedLedger``) on CPU.
 
 Two processes form a gloo group over TCP on this host (SGLang's TP CPU group is a gloo
 group too). Each builds the real kvcore stack (host backend, ``VirtualKVCache``,
@@ -28,12 +28,13 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvcore.accounting import BudgetGate
-from kvcore.agreement import AgreedLedger, Agreement, TorchGroupAgreement
-from kvcore.blocks import BlockLedger
-from kvcore.geometry import KVGeometry
-from kvcore.pages import PageAllocator
-from kvcore.tensors import LocalPageMapper, VirtualKVCache
+from kvcore.budget.gate import BudgetGate
+from kvcore.memory.blocks import BlockLedger
+from kvcore.memory.geometry import KVGeometry
+from kvcore.memory.local_mapper import LocalPageMapper
+from kvcore.memory.pages import PageAllocator
+from kvcore.memory.virtual_cache import VirtualKVCache
+from kvcore.parallel.agreement import AgreedLedger, Agreement, TorchGroupAgreement
 from kvcore.vmm.host import HostBackend
 
 GRANULARITY = 64 << 10

@@ -428,7 +428,7 @@ def compare(phases: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def ledger_sample(snapshot: Any, owner: Callable[[Any], str | None], t: float) -> dict[str, Any]:
-    """One KV-memory sample from a ``kvcore.gpu_ledger.LedgerSnapshot``: per instance
+    """One KV-memory sample from a ``kvcore.budget.ledger.LedgerSnapshot``: per instance
     (``owner(record)``: its name, or None for a record of no instance of this run) the
     record's mapped bytes, in use (mapped less the idle reserve), limit and refusals."""
     per: dict[str, dict[str, Any]] = {}
@@ -784,7 +784,7 @@ class _Samplers:
     def open_ledger(self) -> Any:
         """The run's ledger (opened once its file exists); None before that."""
         if self._ledger is None:
-            from kvcore.gpu_ledger import GpuLedger, list_ledgers
+            from kvcore.budget.ledger import GpuLedger, list_ledgers
 
             paths = list_ledgers(self.ledger_dir)
             if len(paths) > 1:

@@ -147,8 +147,9 @@ def run(reps: int = 31, inner: int = 2000) -> dict[str, Any]:
     import gpu_suite
     import torch
 
-    from kvcore.geometry import KVGeometry
-    from kvcore.tensors import LocalPageMapper, VirtualKVCache
+    from kvcore.memory.geometry import KVGeometry
+    from kvcore.memory.local_mapper import LocalPageMapper
+    from kvcore.memory.virtual_cache import VirtualKVCache
     from kvcore.vmm.cuda import CudaBackend
 
     backend = CudaBackend(0)

@@ -7,8 +7,8 @@ and returns freed pages to the driver so another engine on the same GPU can take
 The layers, bottom up (see DESIGN.md in the project for the full picture):
 
 * ``kvcore.vmm``      GPU virtual-memory backends: ``cuda``, ``hip``, ``host`` (CPU, for CI).
-* ``kvcore.mapper``   the per-process seam that maps a page id onto physical memory.
-* ``kvcore.accounting`` the gate a page allocator asks before taking physical memory.
+* ``kvcore.memory.mapper``   the per-process seam that maps a page id onto physical memory.
+* ``kvcore.budget.gate`` the gate a page allocator asks before taking physical memory.
 * ``kvcore.errors``   every exception kvcore raises.
 """
 

@@ -173,7 +173,7 @@ class TransactionRefused(ChannelError):
 
 class AgreementError(KvcoreError):
     """A collective agreeing allocation outcomes across an engine's ranks failed (a peer
-    died or the process group was torn down); ``kvcore.agreement``."""
+    died or the process group was torn down); ``kvcore.parallel.agreement``."""
 
 
 class UnsupportedConfiguration(KvcoreError):

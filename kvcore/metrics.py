@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcore.budget.ledger import GpuLedger, InstanceRecord, list_ledgers
 from kvcore.errors import LedgerError
-from kvcore.gpu_ledger import GpuLedger, InstanceRecord, list_ledgers
 
 PORT_ENV = "KVCORE_METRICS_PORT"
 ADDR_ENV = "KVCORE_METRICS_ADDR"

@@ -1,7 +1,7 @@
 """The memory stack the model-family layout tests run on: backend -> ``VirtualKVCache`` on a
 ``FamilyLayout``'s geometry -> ``LocalPageMapper`` -> ``PageAllocator`` -> one
 ``BlockLedger`` for every cache group; plus write/read helpers that check views against the
-raw bytes of the virtual ranges. Used by ``tests/test_families.py`` and the vLLM spec tests
+raw bytes of the virtual ranges. Used by ``tests/memory/test_families.py`` and the vLLM spec tests
 under ``tests/engines/vllm/``.
 """
 
@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcore.accounting import MemoryGate
-from kvcore.blocks import BlockLedger
-from kvcore.families import FamilyLayout
-from kvcore.pages import PageAllocator
-from kvcore.tensors import LocalPageMapper, VirtualKVCache
+from kvcore.budget.gate import MemoryGate
+from kvcore.memory.blocks import BlockLedger
+from kvcore.memory.families import FamilyLayout
+from kvcore.memory.local_mapper import LocalPageMapper
+from kvcore.memory.pages import PageAllocator
+from kvcore.memory.virtual_cache import VirtualKVCache
 from kvcore.vmm import open_backend
 from kvcore.vmm.faults import FaultInjector
 from kvcore.vmm.host import HostBackend

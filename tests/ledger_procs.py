@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvcore.gpu_ledger import GpuLedger, LedgerGate
+from kvcore.budget.ledger import GpuLedger, LedgerGate
 from kvcore.vmm.base import Handle
 from kvcore.vmm.host import HostBackend
 
@@ -147,7 +147,7 @@ def kvctl_limits(name: str, sizes: list[str], results: Any, start: Any) -> None:
 
 
 def _only_ledger() -> Any:
-    from kvcore.gpu_ledger import list_ledgers
+    from kvcore.budget.ledger import list_ledgers
 
     (path,) = list_ledgers()
     return path

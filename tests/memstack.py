@@ -18,12 +18,13 @@ from typing import Any
 import pytest
 import torch
 
-from kvcore.accounting import MemoryGate
-from kvcore.blocks import BlockLedger
-from kvcore.geometry import KVGeometry, Layout
-from kvcore.pages import PageAllocator
-from kvcore.tensors import LocalPageMapper, VirtualKVCache
-from kvcore.tensors import PageState as MapperState
+from kvcore.budget.gate import MemoryGate
+from kvcore.memory.blocks import BlockLedger
+from kvcore.memory.geometry import KVGeometry, Layout
+from kvcore.memory.local_mapper import LocalPageMapper
+from kvcore.memory.mapper import MappingState as MapperState
+from kvcore.memory.pages import PageAllocator
+from kvcore.memory.virtual_cache import VirtualKVCache
 from kvcore.vmm import VmmBackend, open_backend
 from kvcore.vmm.faults import FaultInjector
 from kvcore.vmm.host import HostBackend

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvcore import gpu_ledger
-from kvcore.gpu_ledger import GpuLedger, LedgerGate
+import kvcore.budget.ledger as gpu_ledger
+from kvcore.budget.ledger import GpuLedger, LedgerGate
 from kvcore.metrics import (
     MULTIPROC_ENV,
     PORT_ENV,
@@ -103,7 +103,7 @@ def test_ledger_collector_reads_every_gpu() -> None:
 _CHILD = textwrap.dedent(
     """
     import json, sys, time
-    from kvcore.gpu_ledger import GpuLedger, LedgerGate
+    from kvcore.budget.ledger import GpuLedger, LedgerGate
     from kvcore.metrics import metrics_hook
     led = GpuLedger.open("GPU-m", device_total=100 << 20)
     hook = metrics_hook("GPU-m")

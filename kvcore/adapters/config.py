@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvcore.accounting import BudgetGate, MemoryGate, UnlimitedGate
+from kvcore.budget.gate import BudgetGate, MemoryGate, UnlimitedGate
 from kvcore.errors import UnsupportedConfiguration
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class ElasticConfig:
         (``limit_bytes`` is its instance limit), else a ``BudgetGate`` of ``limit_bytes``, else
         an ``UnlimitedGate``. Raises ``LedgerError`` when the ledger cannot be opened."""
         if self.gpu_ledger:
-            from kvcore.gpu_ledger import LedgerGate
+            from kvcore.budget.ledger import LedgerGate
 
             return LedgerGate.from_backend(
                 backend,

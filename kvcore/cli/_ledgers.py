@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvcore.budget.ledger import DIR_ENV, GpuLedger, InstanceRecord, ledger_dir, list_ledgers
 from kvcore.errors import LedgerError, LedgerNotFound
-from kvcore.gpu_ledger import DIR_ENV, GpuLedger, InstanceRecord, ledger_dir, list_ledgers
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """``kvctl``: inspect and steer the kvcore instances sharing this machine's GPUs.
 
-Every command reads the per-GPU ledgers (``kvcore.gpu_ledger``) in ``/dev/shm`` (or
+Every command reads the per-GPU ledgers (``kvcore.budget.ledger``) in ``/dev/shm`` (or
 ``$KVCORE_LEDGER_DIR``) and first reclaims the records of dead instances.
 
 Exit status: 0 success; 1 the operation failed (unknown instance, a concurrent change won,
@@ -19,11 +19,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from kvcore.budget.ledger import GpuLedger, InstanceRecord, LedgerSnapshot, Liveness
 from kvcore.cli._ledgers import Opened, open_ledgers
 from kvcore.cli.display import printable
 from kvcore.cli.sizes import ACCEPTED, SizeError, format_bytes, parse_size
 from kvcore.errors import KvcoreError, LedgerNotFound, UnknownInstance
-from kvcore.gpu_ledger import GpuLedger, InstanceRecord, LedgerSnapshot, Liveness
 
 EXIT_OK = 0
 EXIT_FAILED = 1

@@ -24,11 +24,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from kvcore.budget.ledger import LedgerSnapshot, Liveness
 from kvcore.cli._ledgers import Opened, open_ledgers
 from kvcore.cli.display import printable
 from kvcore.cli.sizes import format_bytes
 from kvcore.errors import KvcoreError, LedgerNotFound
-from kvcore.gpu_ledger import LedgerSnapshot, Liveness
 
 EXIT_OK = 0
 EXIT_FAILED = 1

@@ -4,7 +4,7 @@ UNTESTED: this module is written against hip-python's documented API (functions 
 tuple ``(hipError_t, *values)``, like cuda-python) and has never run: kvcore has no AMD GPU
 to test on, and ``compat/matrix.toml`` marks every ``rocm`` combination ``untested``.
 Expect to fix details on first contact with a real ROCm machine; run
-``pytest tests/vmm tests/test_tensors.py`` there with a ``hip`` entry added to
+``pytest tests/vmm tests/memory/test_virtual_cache.py`` there with a ``hip`` entry added to
 ``tests/vmm_backends.py``.
 
 It mirrors ``kvcore.vmm.cuda``: ``hipMemAddressReserve`` / ``hipMemCreate`` (pinned device

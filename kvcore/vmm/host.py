@@ -28,7 +28,7 @@ object by default. With ``shared_accounting=True`` (or ``KVCORE_HOST_SHARED_ACCO
 every process using the same device id shares one count, kept in a ``flock``-ed file under
 ``/dev/shm`` (``KVCORE_HOST_SHARED_DIR`` names another directory) whose entries of dead
 processes are reclaimed on each update; this makes ``mem_info`` meaningful to two engine
-processes on one host "device". The per-GPU ledger (``kvcore.gpu_ledger``) stays the
+processes on one host "device". The per-GPU ledger (``kvcore.budget.ledger``) stays the
 authority on who holds what; this count only models the driver's free memory.
 """
 

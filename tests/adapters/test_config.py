@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from kvcore.accounting import BudgetGate, UnlimitedGate
 from kvcore.adapters.config import ElasticConfig
+from kvcore.budget.gate import BudgetGate, UnlimitedGate
+from kvcore.budget.ledger import GpuLedger, LedgerGate
 from kvcore.errors import UnsupportedConfiguration
-from kvcore.gpu_ledger import GpuLedger, LedgerGate
 from kvcore.vmm import open_backend
 
 

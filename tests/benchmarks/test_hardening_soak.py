@@ -17,9 +17,10 @@ from types import ModuleType
 
 import pytest
 
-from kvcore.channel import ChannelCoordinator, ChannelDirectory, WorkerListener
-from kvcore.geometry import KVGeometry
-from kvcore.tensors import LocalPageMapper, VirtualKVCache
+from kvcore.memory.geometry import KVGeometry
+from kvcore.memory.local_mapper import LocalPageMapper
+from kvcore.memory.virtual_cache import VirtualKVCache
+from kvcore.parallel.channel import ChannelCoordinator, ChannelDirectory, WorkerListener
 from kvcore.vmm import open_backend
 
 GRAN = 64 << 10

@@ -40,7 +40,7 @@ from benchmarks.vllm_colocate import (
     tpot,
 )
 from benchmarks.vllm_servers import parse_metrics
-from kvcore.gpu_ledger import GpuLedger, LedgerGate
+from kvcore.budget.ledger import GpuLedger, LedgerGate
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_colocate.py"
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcore import gpu_ledger
-from kvcore.gpu_ledger import process_start_time
+import kvcore.budget.ledger as gpu_ledger
+from kvcore.budget.ledger import process_start_time
 from tests.ledger_procs import kill, spawn_holder
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from kvcore.budget.ledger import GpuLedger, list_ledgers
 from kvcore.cli import kvctl
 from kvcore.cli.sizes import ACCEPTED
-from kvcore.gpu_ledger import GpuLedger, list_ledgers
 from tests.cli.conftest import Spawn, wait_dead
 
 MiB = 1 << 20
@@ -288,7 +288,7 @@ def test_names_from_the_file_reach_the_terminal_as_text(
     capsys: pytest.CaptureFixture[str], instance: Spawn
 ) -> None:
     """A hostile ledger file: a name with a terminal escape and rich markup, a NaN time."""
-    from kvcore.gpu_ledger import _RECORD, _base
+    from kvcore.budget.ledger import _RECORD, _base
 
     instance("llama-a", MiB)
     with only_ledger() as led:

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from kvcore.budget.ledger import GpuLedger, InstanceRecord, LedgerSnapshot, list_ledgers
 from kvcore.cli import kvtop
-from kvcore.gpu_ledger import GpuLedger, InstanceRecord, LedgerSnapshot, list_ledgers
 from tests.cli.conftest import Spawn, wait_dead
 from tests.ledger_procs import ROOT
 

@@ -50,7 +50,7 @@ _NAIVE_KERNELS = hasattr(_paged, "alloc_extend_naive") and hasattr(_paged, "allo
 
 if TYPE_CHECKING:
     from kvcore.adapters.sglang.manager import ElasticKVManager
-    from kvcore.blocks import BlockLedger
+    from kvcore.memory.blocks import BlockLedger
 
 __all__ = [
     "ElasticPagedTokenToKVPoolAllocator",
@@ -152,7 +152,7 @@ class _ElasticMixin:
         evicted down to ``max_cached_tokens`` (``enforce_cache_bound``: on SGLang < 0.5.23,
         whose pre-allocation eviction never reaches the allocator, the bound holds at every
         iteration start); last, where the ranks agree a physical budget
-        (``kvcore.agreement.AgreedLedger``), the agreed room is refreshed while the budget
+        (``kvcore.parallel.agreement.AgreedLedger``), the agreed room is refreshed while the budget
         binds (after the bound's eviction, so it counts the pages that freed)."""
         if tree_cache is not None:
             if tree_cache is not getattr(self, "_kvcore_tree", None):

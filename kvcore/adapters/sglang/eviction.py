@@ -41,7 +41,7 @@ hands out depends on whether a released page is still in the reserve, in the unm
 back on the free list (background-thread timing and a gate's reserve target that reads the
 GPU's ledger), and the ledger breaks ties among equally filled pages by the order their
 frees were processed, which follows page ids; after an agreement rollback
-(``kvcore.agreement``) the same holds. Two ranks would then evict different leaves, match
+(``kvcore.parallel.agreement``) the same holds. Two ranks would then evict different leaves, match
 different prefixes and schedule different batches. With peers SGLang's order is kept (the
 default, logged once) or start-up fails (explicit ``"page-aware"``).
 """
@@ -155,7 +155,7 @@ def attach(tree_cache: Any, allocator: Any) -> bool:
     page-aware; a kept SGLang order is logged once."""
     if allocator.kvcore.config.eviction == "engine":
         return False
-    from kvcore.agreement import AgreedLedger
+    from kvcore.parallel.agreement import AgreedLedger
 
     peers = decision_peers()
     if peers is None and isinstance(allocator.ledger, AgreedLedger):

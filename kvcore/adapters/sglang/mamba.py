@@ -6,7 +6,7 @@ one ``conv`` tensor and one ``temporal`` (SSM) tensor, each ``(layers, size + 1,
 ``HybridReqToTokenPool`` hands one slot to each request. A slot's *cell* is its conv and SSM
 state in every Mamba layer (DESIGN.md section 7).
 
-``build_mamba_state`` gives the pool those tensors from kvcore: a ``kvcore.slots.SlotStates``
+``build_mamba_state`` gives the pool those tensors from kvcore: a ``kvcore.memory.slots.SlotStates``
 over the pool's conv and temporal shapes (one virtual range per state, SGLang's layer-major
 layout with each layer's slots padded to whole pages; ``plan_rows(pad=False)`` pages; a
 slot's pages mapped while it is taken; the partial tail never handed out), drawing on the
@@ -21,7 +21,7 @@ by ``ensure_mamba_capacity`` and the prefill budget) counts under a budget only 
 whose pages the headroom pays for, so SGLang evicts or waits before an allocation misses.
 At attention-TP > 1 under a budget the scope calls ``agree``: every slot allocation
 (``_do_alloc``, which SGLang's group pre-allocation also goes through) is one
-``kvcore.agreement`` decision (a MIN all-reduce of ``(ok, schedulable slots)`` over the
+``kvcore.parallel.agreement`` decision (a MIN all-reduce of ``(ok, schedulable slots)`` over the
 attention-TP CPU group; the slots go back on the ranks that got them when a peer missed),
 and ``schedulable_available_size()`` is the agreed count plus the slots freed since. The
 agreed room is refreshed with the KV allocator's in its per-iteration ``kvcore_step``.
@@ -48,14 +48,14 @@ import sglang
 import torch
 from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 
-from kvcore.agreement import AgreedRoom, Agreement
 from kvcore.errors import GeometryError, UnsupportedConfiguration
-from kvcore.slots import SlotStates, StateTensor
+from kvcore.memory.slots import SlotStates, StateTensor
+from kvcore.parallel.agreement import AgreedRoom, Agreement
 from kvcore.vmm import open_backend
 
 if TYPE_CHECKING:
     from kvcore.adapters.config import ElasticConfig
-    from kvcore.gate_share import SharedGate
+    from kvcore.budget.shared_gate import SharedGate
 
 __all__ = [
     "ElasticMambaSlotAllocator",
@@ -75,7 +75,7 @@ class ElasticMambaSlotAllocator(MambaSlotAllocator):  # type: ignore[misc]
 
     def agree(self, agreement: Agreement) -> None:
         """Agree every slot allocation and the schedulable slot count with the peer ranks
-        (``kvcore.agreement``; the scope calls this under a physical budget at TP > 1, on
+        (``kvcore.parallel.agreement``; the scope calls this under a physical budget at TP > 1, on
         every rank at the same point: it is a collective)."""
         state = self.state
         self._room = agreement.room(lambda: [state.available()], lambda: [state.free_count()])

@@ -19,18 +19,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcore.accounting import MemoryGate
-from kvcore.blocks import BlockLedger
-from kvcore.families import plan_rows
-from kvcore.geometry import KVGeometry
-from kvcore.pages import PageAllocator, PageStats
-from kvcore.teardown import CloseOnce, close_parts
-from kvcore.tensors import LocalPageMapper, VirtualKVCache
+from kvcore.budget.gate import MemoryGate
+from kvcore.memory.blocks import BlockLedger
+from kvcore.memory.families import plan_rows
+from kvcore.memory.geometry import KVGeometry
+from kvcore.memory.local_mapper import LocalPageMapper
+from kvcore.memory.pages import PageAllocator, PageStats
+from kvcore.memory.teardown import CloseOnce, close_parts
+from kvcore.memory.virtual_cache import VirtualKVCache
 from kvcore.vmm import open_backend
 
 if TYPE_CHECKING:
     from kvcore.adapters.config import ElasticConfig
-    from kvcore.gate_share import SharedGate
+    from kvcore.budget.shared_gate import SharedGate
     from kvcore.vmm.base import VmmBackend
 
 __all__ = ["ElasticKVManager"]

@@ -164,7 +164,7 @@ def _launch_world_group() -> Any:
 
 def _ledger_budget(config: ElasticConfig, backend: VmmBackend, total: int) -> int:
     """The per-GPU ledger's budget for this device (opened and closed here)."""
-    from kvcore.gpu_ledger import GpuLedger
+    from kvcore.budget.ledger import GpuLedger
 
     directory = Path(config.ledger_dir) if config.ledger_dir else None
     ledger = GpuLedger.open(backend.device_uuid(), device_total=total, directory=directory)

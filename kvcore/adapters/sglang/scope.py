@@ -16,11 +16,11 @@ The patch series adds three seams to SGLang and this module is what they call:
 
 Everything here runs in the process of one TP rank and touches only that rank's memory:
 no page operation crosses ranks. With a physical budget at TP > 1 the ranks' allocation
-outcomes and physical room are agreed over the attention-TP CPU group (``kvcore.agreement``:
-``AgreedLedger`` for the token and paged allocators, ``agree`` of the hybrid SWA allocator
-and of the Mamba slot allocator; one ``Agreement`` per rank, so all of them go over one
-group and refresh together), so their schedulers stay in step. A budget at PP > 1 is
-refused (``_check_ranks_agree`` says why).
+outcomes and physical room are agreed over the attention-TP CPU group
+(``kvcore.parallel.agreement``: ``AgreedLedger`` for the token and paged allocators,
+``agree`` of the hybrid SWA allocator and of the Mamba slot allocator; one ``Agreement``
+per rank, so all of them go over one group and refresh together), so their schedulers stay
+in step. A budget at PP > 1 is refused (``_check_ranks_agree`` says why).
 Unsupported pool configurations raise ``UnsupportedConfiguration`` naming the setting.
 """
 
@@ -39,10 +39,10 @@ from kvcore.adapters.sglang import eviction
 from kvcore.adapters.sglang.allocators import _eviction_asks_allocator, elastic_allocator
 from kvcore.adapters.sglang.mamba import build_mamba_state, elastic_mamba_allocator
 from kvcore.adapters.sglang.manager import ElasticKVManager
-from kvcore.agreement import AgreedLedger, Agreement, RankAgreement, TorchGroupAgreement
+from kvcore.budget.shared_gate import SharedGate
 from kvcore.errors import UnsupportedConfiguration
-from kvcore.gate_share import SharedGate
-from kvcore.slots import SlotStates
+from kvcore.memory.slots import SlotStates
+from kvcore.parallel.agreement import AgreedLedger, Agreement, RankAgreement, TorchGroupAgreement
 
 __all__ = ["ElasticScope"]
 
@@ -57,7 +57,7 @@ class ElasticScope:
     ``config`` is the ``--kvcore-config`` value (dict, JSON or ``None``) or an
     ``ElasticConfig``. Managers created inside stay alive after the scope closes (the pools
     use them) and are closed by ``close()`` or at interpreter exit. ``agreement``: how this
-    rank agrees allocation outcomes with its peers (``kvcore.agreement``); by default the
+    rank agrees allocation outcomes with its peers (``kvcore.parallel.agreement``); by default the
     attention-TP CPU group when a physical budget is set at TP > 1, else none.
     """
 

@@ -26,7 +26,7 @@ sides (``_joint_blocks``), so SGLang's admission and decode checks see the joint
 before they allocate.
 
 At attention-TP > 1 under a budget the scope calls ``agree``: each composite allocation
-(the all-or-nothing pair over both sub-ledgers) is one ``kvcore.agreement`` decision, one
+(the all-or-nothing pair over both sub-ledgers) is one ``kvcore.parallel.agreement`` decision, one
 MIN all-reduce of ``(ok, full room, SWA room)`` over the attention-TP CPU group with
 rollback of both sides on the ranks that succeeded, and ``full_available_size`` /
 ``swa_available_size`` are the agreed joint figures plus the blocks freed since: the same
@@ -48,8 +48,8 @@ import torch
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 
 from kvcore.adapters.sglang.allocators import _eviction_asks_allocator, elastic_allocator
-from kvcore.agreement import AgreedRoom, Agreement, RoomLedger
 from kvcore.errors import UnsupportedConfiguration
+from kvcore.parallel.agreement import AgreedRoom, Agreement, RoomLedger
 
 __all__ = ["ElasticSWATokenToKVPoolAllocator", "elastic_swa_allocator"]
 
@@ -91,7 +91,7 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):  # type: igno
 
     def agree(self, agreement: Agreement) -> None:
         """Agree every composite allocation and both sides' room with the peer ranks
-        (``kvcore.agreement``; the scope calls this under a physical budget at TP > 1, on
+        (``kvcore.parallel.agreement``; the scope calls this under a physical budget at TP > 1, on
         every rank at the same point: it is a collective). Each allocation below is then
         one ``AgreedRoom.decide`` over the pair; each side's ledger becomes a ``RoomLedger``
         (frees count toward the agreed room), and ``full_available_size`` /

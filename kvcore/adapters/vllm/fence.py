@@ -32,11 +32,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
-from kvcore.accounting import MemoryGate
-from kvcore.blocks import BlockLedger
-from kvcore.geometry import KVGeometry
-from kvcore.mapper import PageMapper
-from kvcore.pages import PageAllocator
+from kvcore.budget.gate import MemoryGate
+from kvcore.memory.blocks import BlockLedger
+from kvcore.memory.geometry import KVGeometry
+from kvcore.memory.mapper import PageMapper
+from kvcore.memory.pages import PageAllocator
 
 __all__ = ["FencedBlockLedger", "StepFence", "fenced_block_supply"]
 

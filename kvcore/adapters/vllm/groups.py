@@ -10,7 +10,7 @@ every group is a region of its own at ``i * layer_stride``, ``num_blocks`` cells
 whose regions are one contiguous reservation (``VirtualKVCache(contiguous=True)``). This
 module translates
 
-* each ``KVCacheGroupSpec`` into a ``kvcore.families.CacheGroup`` (``kvcore_groups``):
+* each ``KVCacheGroupSpec`` into a ``kvcore.memory.families.CacheGroup`` (``kvcore_groups``):
   ``FullAttentionSpec`` (a window without the hybrid manager keeps every block) and
   ``SlidingWindowSpec`` into attention groups, ``MLAAttentionSpec`` into an MLA group (one
   latent buffer per layer), ``MambaSpec`` into a Mamba group (its states packed into one
@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcore.errors import UnsupportedConfiguration
-from kvcore.families import (
+from kvcore.memory.families import (
     DEFAULT_MAX_PAGE_BYTES,
     CacheGroup,
     FamilyLayout,
@@ -52,7 +52,7 @@ from kvcore.families import (
     mla_group,
     plan_rows,
 )
-from kvcore.geometry import Layout
+from kvcore.memory.geometry import Layout
 
 __all__ = [
     "SUPPORTED_SPECS",
@@ -309,7 +309,7 @@ def pad_for_pages(
     max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
 ) -> int | None:
     """Re-stride ``kv_cache_config`` in place when its block row tiles no page of at most
-    ``max_page_bytes`` exactly (``kvcore.families.plan_rows``: least-padded stride). The
+    ``max_page_bytes`` exactly (``kvcore.memory.families.plan_rows``: least-padded stride). The
     tensors get the padded ``block_stride`` (their layer strides and offsets stay, as with a
     spec's ``block_stride_alignment``), ``num_blocks`` shrinks so the buffer keeps its size.
     Returns the new stride, or ``None`` when no padding is needed (nothing changed).

@@ -37,15 +37,16 @@ from typing import Any
 
 import torch
 
-from kvcore.accounting import MemoryGate
 from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.vllm.fence import fenced_block_supply
 from kvcore.adapters.vllm.groups import family_layout
-from kvcore.blocks import BlockLedger
+from kvcore.budget.gate import MemoryGate
 from kvcore.errors import KvcoreError
-from kvcore.pages import PageAllocator, PageStats
-from kvcore.teardown import CloseOnce, OnError, PartFailure, close_parts
-from kvcore.tensors import LocalPageMapper, VirtualKVCache
+from kvcore.memory.blocks import BlockLedger
+from kvcore.memory.local_mapper import LocalPageMapper
+from kvcore.memory.pages import PageAllocator, PageStats
+from kvcore.memory.teardown import CloseOnce, OnError, PartFailure, close_parts
+from kvcore.memory.virtual_cache import VirtualKVCache
 from kvcore.vmm import open_backend
 from kvcore.vmm.base import VmmBackend
 
@@ -65,7 +66,7 @@ class KVMemory:
     """The seams a vLLM KV memory offers its block pool and the runtime (module docstring):
     ``stats()``, ``closed`` and ``on_close``. A subclass sets ``pages`` once its page
     allocator exists, and its ``close()`` releases its parts only when ``self._once.begin()``
-    returns ``True`` (``kvcore.teardown.CloseOnce``: once, after the ``on_close``
+    returns ``True`` (``kvcore.memory.teardown.CloseOnce``: once, after the ``on_close``
     callbacks)."""
 
     def __init__(self) -> None:
@@ -98,9 +99,9 @@ class ElasticKVMemory(KVMemory):
     core), ``PoolFailed`` when the null block's page cannot be mapped; nothing is
     left reserved or mapped on failure.
 
-    ``layout``: the ``kvcore.families.FamilyLayout`` the memory is built on (its ``geometry``;
-    ``layout.view(memory.cache, layer, role)`` is one layer's state, aliasing the views vLLM
-    builds over ``buffer()``).
+    ``layout``: the ``kvcore.memory.families.FamilyLayout`` the memory is built on (its
+    ``geometry``; ``layout.view(memory.cache, layer, role)`` is one layer's state, aliasing
+    the views vLLM builds over ``buffer()``).
 
     ``gate``: the memory gate to charge instead of the one ``config`` describes
     (``limit_bytes`` / ``gpu_ledger``), for a process that owns the budget policy itself
@@ -223,7 +224,7 @@ class ElasticKVMemory(KVMemory):
         )
 
     def _teardown(self, *, on_error: OnError) -> None:
-        """Close every part that exists (``kvcore.teardown.close_parts``)."""
+        """Close every part that exists (``kvcore.memory.teardown.close_parts``)."""
         close_parts(
             [
                 ("page allocator", self.pages),

@@ -3,7 +3,7 @@
 With TP x PP > 1 vLLM's ``MultiprocExecutor`` runs one worker process per rank and the
 engine core process runs the scheduler. Each worker owns its KV buffer (a kvcore virtual
 tensor on its GPU); the scheduler's block pool decides every page transition. kvcore's
-worker channel (``kvcore.channel``, docs/channel.md) carries each transition to every rank
+worker channel (``kvcore.parallel.channel``, docs/channel.md) carries each transition to every rank
 as one transaction, so a page is mapped on every worker or on none. No extra upstream seam is
 needed: the three call sites of the series are enough.
 
@@ -53,16 +53,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvcore.accounting import BudgetGate, MemoryGate, UnlimitedGate
 from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.vllm.groups import engine_row_bytes, family_layout
 from kvcore.adapters.vllm.memory import KVMemory
-from kvcore.adapters.vllm.rank_gates import RankLedgerGates, publish_device
-from kvcore.channel import ChannelCoordinator, ChannelDirectory, WorkerListener, socket_path
+from kvcore.budget.gate import BudgetGate, MemoryGate, UnlimitedGate
+from kvcore.budget.rank_gates import RankLedgerGates, publish_device
 from kvcore.errors import ChannelError, PoolFailed, UnsupportedConfiguration, WorkersMissing
-from kvcore.geometry import KVGeometry
-from kvcore.teardown import close_parts
-from kvcore.tensors import LocalPageMapper, VirtualKVCache
+from kvcore.memory.geometry import KVGeometry
+from kvcore.memory.local_mapper import LocalPageMapper
+from kvcore.memory.teardown import close_parts
+from kvcore.memory.virtual_cache import VirtualKVCache
+from kvcore.parallel.channel import (
+    ChannelCoordinator,
+    ChannelDirectory,
+    WorkerListener,
+    socket_path,
+)
 from kvcore.vmm import open_backend
 
 if TYPE_CHECKING:

@@ -46,8 +46,8 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from kvcore.adapters.vllm.fence import StepFence
-from kvcore.blocks import BlockLedger
 from kvcore.errors import KvcoreError
+from kvcore.memory.blocks import BlockLedger
 
 __all__ = ["ElasticBlockPool", "ElasticMiss"]
 

@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 
-from kvcore.accounting import MemoryGate
 from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.vllm.checks import check_vllm_config
 from kvcore.adapters.vllm.groups import engine_row_bytes, pad_for_pages
@@ -55,6 +54,7 @@ from kvcore.adapters.vllm.parallel import (
     release_worker_memory,
     worker_buffer,
 )
+from kvcore.budget.gate import MemoryGate
 from kvcore.errors import BackendUnavailable, KvcoreError, UnsupportedConfiguration
 from kvcore.vmm import open_backend
 from kvcore.vmm.base import VmmBackend

@@ -72,7 +72,7 @@ def test_fresh_pages_are_views_of_the_id_table_or_copies(
 
     a._on_cpu = False  # the device branch (no device-specific code in it)
     # the ledger's runs given, to see how each shape is laid out (alloc_runs is tested in
-    # tests/test_blocks.py)
+    # tests/memory/test_blocks.py)
     for runs, want in [
         ([(3, 2), (10, 3)], [3, 4, 10, 11, 12]),
         ([(2 * i + 1, 1) for i in range(9)], [2 * i + 1 for i in range(9)]),

@@ -404,7 +404,7 @@ def test_explicit_page_aware_at_attention_tp_2_fails_at_start_up(make: Any) -> N
 def test_an_agreed_ledger_keeps_sglangs_order(make: Any) -> None:
     """Ranks agreeing allocations (``AgreedLedger``; its rollback also leaves layouts that
     differ) keep SGLang's order even where no parallel context is published."""
-    from kvcore.agreement import AgreedLedger
+    from kvcore.parallel.agreement import AgreedLedger
 
     class _Alone:  # a one-rank agreement: the minimum of one vector is itself
         size = 1

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore.families import FamilyLayout, mamba_group
+from kvcore.memory.families import FamilyLayout, mamba_group
 from tests.family_stack import HOST_GRANULARITY, open_stack, pattern
 
 token_major = pytest.importorskip("sglang.srt.mem_cache.layout.token_major")

@@ -334,7 +334,7 @@ def test_agreed_slot_allocation_rolls_back_and_refreshes_with_the_kv_room(scopes
     agreed one plus the slots freed since (no collective); a group pre-allocation is one
     decision however many slots it hands out; and the scheduler's one ``kvcore_step``
     refreshes the slot room and the KV room in a single collective."""
-    from tests.test_agreement import ScriptedPeer
+    from tests.parallel.test_agreement import ScriptedPeer
 
     peer = ScriptedPeer()
     peer.script = [None, [10]]  # the slot room as this rank has it; 10 KV blocks at the peer
@@ -369,7 +369,7 @@ def test_agreed_slot_allocation_rolls_back_and_refreshes_with_the_kv_room(scopes
 @requires_fork
 def test_a_failed_slot_collective_gives_the_slots_back(scopes: Any) -> None:
     from kvcore.errors import AgreementError
-    from tests.test_agreement import ScriptedPeer
+    from tests.parallel.test_agreement import ScriptedPeer
 
     peer = ScriptedPeer()
     pool, slots = seamed_pool(scopes(agreement=peer, limit_bytes=1 << 30))

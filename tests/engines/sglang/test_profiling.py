@@ -146,7 +146,7 @@ def test_memory_another_instance_holds_does_not_shrink_a_new_instance() -> None:
     ids=["device", "limit", "ledger-budget"],
 )
 def test_physical_capacity(tmp_path: Any, extra: dict[str, Any], physical: int) -> None:
-    from kvcore.gpu_ledger import GpuLedger
+    from kvcore.budget.ledger import GpuLedger
     from kvcore.vmm.host import HostBackend
 
     config = ElasticConfig.parse(_host(64, ledger_dir=str(tmp_path), **extra))

@@ -384,7 +384,7 @@ def test_agreed_pairs_roll_back_both_sides_when_a_peer_misses(stacks: Any) -> No
     rank got, both sides give their blocks and pages back and the index mapping stays clear;
     both available sizes are the agreed joint figures plus what was freed since, read
     without a collective, refreshed by ``kvcore_step``."""
-    from tests.test_agreement import ScriptedPeer
+    from tests.parallel.test_agreement import ScriptedPeer
 
     peer = ScriptedPeer()  # rank 1, answering the MIN all-reduce from a script
     s = stacks("on", limit_bytes=1 << 30, agreement=peer, reserve_min=0, reserve_max=0)
@@ -414,7 +414,7 @@ def test_agreed_token_pairs_roll_back_and_a_failed_collective_leaks_nothing(stac
     """Token-granular pairs (``page_size`` 1) roll back the same way; a collective that
     fails (a peer died) raises ``AgreementError`` after both sides gave their tokens back."""
     from kvcore.errors import AgreementError
-    from tests.test_agreement import ScriptedPeer
+    from tests.parallel.test_agreement import ScriptedPeer
 
     peer = ScriptedPeer()
     s = stacks("on", page_size=1, limit_bytes=1 << 30, agreement=peer)

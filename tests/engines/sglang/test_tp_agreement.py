@@ -1,4 +1,4 @@
-"""TP ranks with physical budgets agree every allocation (``kvcore.agreement``).
+"""TP ranks with physical budgets agree every allocation (``kvcore.parallel.agreement``).
 
 Two real processes form a gloo group (SGLang's TP CPU group is a gloo group too); each builds
 real SGLang pools and allocators through kvcore's scope, with a budget of its own on the

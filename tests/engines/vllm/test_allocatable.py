@@ -20,7 +20,7 @@ from test_elastic_families import BF16, Engine, MiB, _close_engines, _prompt
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvcore.adapters.vllm import memory
-from kvcore.pages import PageState
+from kvcore.memory.pages import PageState
 from tests.memstack import PageThreadHold, holding_mappers
 
 __all__ = ["_close_engines"]  # the autouse fixture that closes the engines built here

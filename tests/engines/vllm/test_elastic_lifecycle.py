@@ -39,9 +39,9 @@ from kvcore.adapters.vllm.runtime import (
     manager_for,
     release_kv_memory,
 )
+from kvcore.budget.ledger import GpuLedger
 from kvcore.errors import KvcoreError
-from kvcore.gpu_ledger import GpuLedger
-from kvcore.pages import PageState
+from kvcore.memory.pages import PageState
 from kvcore.vmm import open_backend
 from kvcore.vmm.faults import FaultInjector
 

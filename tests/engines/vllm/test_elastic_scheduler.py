@@ -32,9 +32,9 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvcore.accounting import BudgetGate, MemoryGate
 from kvcore.adapters.vllm import elastic_kv_buffer, elastic_settings, manager_for
 from kvcore.adapters.vllm.pool import ElasticBlockPool
+from kvcore.budget.gate import BudgetGate, MemoryGate
 from kvcore.errors import GeometryError, KvcoreError, UnsupportedConfiguration
 
 BLOCK = 16  # tokens per block
@@ -355,7 +355,7 @@ def test_unsupported_configuration_is_named_at_start_up() -> None:
 
 def _serve_in_child(ledger_dir: str, budget: int, name: str, queue: Any, barrier: Any) -> None:
     """Child process: a real scheduler on the shared per-GPU ledger; reports what it saw."""
-    from kvcore.gpu_ledger import GpuLedger
+    from kvcore.budget.ledger import GpuLedger
     from kvcore.vmm import open_backend
 
     settings = _settings(gpu_ledger=True, ledger_dir=ledger_dir)
@@ -386,7 +386,7 @@ def _serve_in_child(ledger_dir: str, budget: int, name: str, queue: Any, barrier
 def test_two_schedulers_in_two_processes_share_one_budget(tmp_path: Path) -> None:
     import multiprocessing as mp
 
-    from kvcore.gpu_ledger import GpuLedger
+    from kvcore.budget.ledger import GpuLedger
     from kvcore.vmm import open_backend
 
     backend = open_backend("host", 0, granularity=GRAN, device_bytes=64 << 20)

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from kvcore.errors import UnsupportedConfiguration
-from kvcore.families import FamilyLayout
+from kvcore.memory.families import FamilyLayout
 from tests.family_stack import HOST_GRANULARITY, MiB, Stack, open_stack, pattern
 
 iface = pytest.importorskip(
@@ -301,7 +301,7 @@ def test_deepseek_mla_padded_row_reaches_vllm_through_block_stride_alignment(
 
 
 def test_vllm_keys_prefix_cache_entries_by_group() -> None:
-    """What the module doc of ``kvcore.families`` relies on: vLLM's prefix cache tells groups
+    """What the module doc of ``kvcore.memory.families`` relies on: vLLM's prefix cache tells groups
     apart itself (the group id is part of every key), so kvcore's ledger needs no group id."""
     utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
     digest = utils.BlockHash(bytes(32))

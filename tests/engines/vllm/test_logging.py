@@ -26,7 +26,7 @@ def test_kvcore_info_records_reach_vllms_handler() -> None:
     root.handlers.clear()
     try:
         logging.getLogger("kvcore.adapters.vllm.memory").info("kvcore: planned %d pages", 3)
-        logging.getLogger("kvcore.pages").debug("below vLLM's level")
+        logging.getLogger("kvcore.memory.pages").debug("below vLLM's level")
     finally:
         root.handlers[:] = saved
         engine.handlers[:], engine.level, engine.propagate = state

@@ -72,14 +72,14 @@ from kvcore.adapters.vllm.parallel import (  # noqa: E402
     vllm_rank,
 )
 from kvcore.adapters.vllm.pool import ElasticBlockPool  # noqa: E402
-from kvcore.channel import WorkerListener  # noqa: E402
+from kvcore.budget.ledger import GpuLedger  # noqa: E402
 from kvcore.errors import (  # noqa: E402
     ChannelError,
     PoolFailed,
     UnsupportedConfiguration,
     WorkersMissing,
 )
-from kvcore.gpu_ledger import GpuLedger  # noqa: E402
+from kvcore.parallel.channel import WorkerListener  # noqa: E402
 
 LAYERS = 4  # attention layers of the model, split over the PP stages (SPEC: 512 B per block)
 LAYOUT = "BLHNC"  # block-outermost: one block id is one row of every layer
@@ -417,7 +417,8 @@ def test_gpu_ledger_charges_one_record_per_rank(tmp_path: Path) -> None:
 
 def test_missing_workers_time_out_naming_them(tmp_path: Any) -> None:
     """Rank 0 of a TP=2 x PP=2 group serves its socket; ranks 1-3 never start."""
-    from kvcore.tensors import LocalPageMapper, VirtualKVCache
+    from kvcore.memory.local_mapper import LocalPageMapper
+    from kvcore.memory.virtual_cache import VirtualKVCache
     from kvcore.vmm import open_backend
 
     config = vllm_config(2, 2)
@@ -453,8 +454,9 @@ def test_missing_workers_time_out_naming_them(tmp_path: Any) -> None:
 def test_ranks_whose_pages_disagree_are_refused() -> None:
     """Rank 1 reports pages of twice the bytes (twice the bytes per block): the engine refuses
     to drive them with one block map and closes what it opened."""
-    from kvcore.geometry import KVGeometry
-    from kvcore.tensors import LocalPageMapper, VirtualKVCache
+    from kvcore.memory.geometry import KVGeometry
+    from kvcore.memory.local_mapper import LocalPageMapper
+    from kvcore.memory.virtual_cache import VirtualKVCache
     from kvcore.vmm import open_backend
 
     config = vllm_config(2, 1)

@@ -51,7 +51,7 @@ from kvcore.adapters.vllm import manager_for, warmup_blocks  # noqa: E402
 from kvcore.adapters.vllm.memory import ElasticKVMemory  # noqa: E402
 from kvcore.adapters.vllm.runtime import existing_memory, release_kv_memory  # noqa: E402
 from kvcore.errors import KvcoreError  # noqa: E402
-from kvcore.pages import PageState  # noqa: E402
+from kvcore.memory.pages import PageState  # noqa: E402
 
 GRAN = 4096  # host backend granularity: one page
 TOKENS = 2  # tokens per block: small, so the decode steps grow block tables (new_block_ids)

@@ -1,0 +1,87 @@
+"""The memory gate: who may take more physical memory, and how much is held.
+
+A page allocator calls its ``MemoryGate`` *before* it maps pages (``try_acquire``) and after
+it gives pages back (``release``), and reports its reserve. The per-GPU shared ledger
+(``kvcore.budget.ledger``) implements the gate for instances sharing one GPU: the instance
+limit, the GPU-wide budget and the bytes other instances hold. ``UnlimitedGate`` is the gate
+of a lone process with no ledger.
+
+Gate calls are made off the scheduler's hot path where possible (the reserve refill thread);
+``try_acquire`` must be cheap and must never block for long.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class MemoryGate(Protocol):
+    """Admission control for physical memory, in bytes."""
+
+    def try_acquire(self, nbytes: int) -> bool:
+        """Claim ``nbytes`` more mapped memory. ``False`` (nothing claimed) when a limit or
+        the budget would be exceeded: the caller treats that as an allocation miss."""
+        ...
+
+    def release(self, nbytes: int) -> None:
+        """Give back ``nbytes`` claimed earlier (pages unmapped)."""
+        ...
+
+    def report_reserve(self, nbytes: int) -> None:
+        """Record how many of the claimed bytes are idle in the pre-mapped reserve."""
+        ...
+
+    def reserve_target(self, wanted: int) -> int:
+        """How many reserve bytes the allocator may keep now (a lowered limit trims the
+        reserve first). Returns at most ``wanted``."""
+        ...
+
+
+class UnlimitedGate:
+    """The gate of a process without a shared ledger: admits everything, tracks the total."""
+
+    def __init__(self) -> None:
+        self.held = 0
+        self.reserve = 0
+        self._lock = threading.Lock()
+
+    def try_acquire(self, nbytes: int) -> bool:
+        with self._lock:
+            self.held += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes
+
+    def report_reserve(self, nbytes: int) -> None:
+        self.reserve = nbytes
+
+    def reserve_target(self, wanted: int) -> int:
+        return wanted
+
+    def headroom(self) -> int | None:
+        """Bytes ``try_acquire`` would still admit; ``None``: no limit. Optional beyond the
+        ``MemoryGate`` protocol: ``PageAllocator.available()`` uses it where a gate has it."""
+        return None
+
+
+class BudgetGate(UnlimitedGate):
+    """A fixed byte budget for one process (tests, benchmarks, a lone engine with a cap)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def headroom(self) -> int | None:
+        with self._lock:
+            return max(self.limit - self.held, 0)
+
+    def try_acquire(self, nbytes: int) -> bool:
+        with self._lock:
+            if self.held + nbytes > self.limit:
+                return False
+            self.held += nbytes
+        return True

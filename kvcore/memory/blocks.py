@@ -1,0 +1,676 @@
+"""The block ledger: which engine block ids are allocated, and on which pages they sit.
+
+``BlockLedger`` is the KV cache manager an engine's allocator seam calls (vLLM's block pool,
+SGLang's paged token allocator). It hands out block ids, places them page-aware so memory
+stays dense, and gives a page back to its ``kvcore.memory.pages.PageAllocator`` as soon as every
+block on it is free: that is when kvcore can return memory to the driver.
+
+Meanings (DESIGN.md section 2): a block id is *allocated* from ``alloc`` until ``free``. An
+engine must only ``free`` a block once no metadata references its contents (a prefix-cached
+block stays allocated here until the engine evicts it), which is what makes invariant 1
+hold: a page is released only when none of its blocks is allocated.
+
+Placement. ``alloc`` fills partly used pages first, fullest first, so sparse pages drain and
+can be unmapped; only then does it take fresh pages from the page allocator.
+``eviction_order`` is the matching hint for the engine's eviction: among the cached blocks it
+may evict, those whose eviction empties a whole page come first.
+
+Cost. ``alloc(n)`` and ``free(ids)`` are O(n) plus O(pages touched), with no per-block
+objects: per-page free stacks of ints, a ``bytearray`` of block states, and buckets of
+partly used pages indexed by their free count (a bit mask finds the fullest in O(1)). The
+per-id Python work is bounded by the pages touched, not the ids: ``alloc`` hands out a page
+taken whole (and a run of consecutive fresh pages) with list and ``bytearray`` slice
+operations; ``free`` of many ids sorts them and checks and writes each page's share at once
+(a contiguous share with one ``bytearray.count`` and one slice write; a page it empties
+with one slice write and no stack work); distinct ids forming one run (and ``free_range``,
+for a caller that holds them as a run) are checked with one count for all. ``alloc_runs`` and
+``free_runs`` are the same calls with ids as ``(first, count)`` runs, for a caller that keeps
+them as ranges (SGLang's adapter: a run is a slice of a table of every id): no per-id int of
+a fresh page is made. ``alloc`` makes no page-allocator call while the partly used pages
+suffice. ``benchmarks/ledger_alloc.py``
+measures it, and ``benchmarks/sglang_alloc.py`` in an engine's allocator.
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left
+from collections.abc import Iterable, Sequence
+
+from kvcore.errors import GeometryError, InvalidTransition, PoolFailed
+from kvcore.memory.geometry import KVGeometry
+from kvcore.memory.pages import PageAllocator, PageState
+
+__all__ = ["BlockLedger"]
+
+_FREE = 0
+_ALLOCATED = 1
+_RESERVED = 2  # permanently allocated at construction (e.g. vLLM's null block)
+_NOT_HELD = -1  # a page this ledger does not hold (not acquired from the page allocator)
+_ALLOCATED_BYTE = bytes((_ALLOCATED,))
+# page states in which the page allocator hands a page out before its free pages
+_IDLE_MAPPED = frozenset({PageState.RESERVED, PageState.UNMAP_QUEUED, PageState.MAPPING})
+# free() of at least this many ids checks and writes them page by page (sorted, slices)
+_BY_PAGE_MIN = 8
+
+
+class BlockLedger:
+    """Block ids ``0 .. geometry.num_blocks-1`` over the pages of ``pages``.
+
+    ``reserved_blocks`` are allocated for good at construction (vLLM's null block 0): their
+    pages are acquired (mapped) at once and never released, and ``free`` refuses them.
+    Raises ``GeometryError`` when ``pages`` covers fewer pages than ``geometry`` needs,
+    ``InvalidTransition`` for a reserved id outside the geometry, ``PoolFailed`` when the
+    reserved blocks' pages cannot be mapped. Thread-safe (one lock per call).
+    """
+
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        pages: PageAllocator,
+        reserved_blocks: Iterable[int] = (),
+    ) -> None:
+        if pages.num_pages < geometry.num_pages:
+            raise GeometryError(
+                f"block ledger: the page allocator covers {pages.num_pages} pages, the "
+                f"geometry needs {geometry.num_pages}",
+                hint="build the mapper and the ledger from the same KVGeometry",
+            )
+        self._geometry = geometry
+        self._pages = pages
+        self._bpp = bpp = geometry.blocks_per_page
+        self._num_blocks = nb = geometry.num_blocks
+        num_pages = geometry.num_pages
+        self._state = bytearray(nb)
+        # free block ids of each page (empty for pages this ledger does not hold)
+        self._stacks: list[list[int]] = [[] for _ in range(num_pages)]
+        self._capacity = [len(geometry.blocks_of(p)) for p in range(num_pages)]
+        # partly used pages by free count f (1 <= f < capacity); bit f of _nonempty is set
+        # while _buckets[f] holds a page
+        self._buckets: list[dict[int, None]] = [{} for _ in range(bpp + 1)]
+        self._nonempty = 0
+        # per page: _NOT_HELD, 0 (held, full) or its free count f (held, in bucket f)
+        self._bucket_of = [_NOT_HELD] * num_pages
+        # the geometry's last page when it holds fewer than bpp blocks (else -1: none)
+        self._short_page = num_pages - 1 if self._capacity[-1] != bpp else -1
+        self._free_slots = 0  # free blocks on held pages
+        self._used = 0  # allocated blocks, reserved ones included
+        self._lock = threading.Lock()
+
+        reserved = sorted(set(reserved_blocks))
+        bad = [b for b in reserved if not 0 <= b < nb]
+        if bad:
+            raise InvalidTransition(
+                f"block ledger: reserved blocks {bad} are outside 0..{nb - 1}", ids=bad
+            )
+        held = sorted({b // bpp for b in reserved})
+        if held and not pages.acquire_ids(held):
+            raise PoolFailed(
+                f"block ledger: cannot map pages {held} for the reserved blocks {reserved}",
+                hint="free device memory or raise the instance's limit, then restart",
+            )
+        for b in reserved:
+            self._state[b] = _RESERVED
+        # a page's row of block states once every block on it is allocated: the default, and
+        # the rows that differ (the short last page, pages holding reserved blocks)
+        self._full_row = _ALLOCATED_BYTE * bpp
+        self._full_rows: dict[int, bytes] = {}
+        if self._short_page >= 0:
+            self._full_rows[num_pages - 1] = _ALLOCATED_BYTE * self._capacity[-1]
+        for p in held:
+            first = p * bpp
+            row = bytearray(_ALLOCATED_BYTE * self._capacity[p])
+            for b in geometry.blocks_of(p):
+                if self._state[b] == _RESERVED:
+                    row[b - first] = _RESERVED
+            self._full_rows[p] = bytes(row)
+        self._used = len(reserved)
+        for p in held:
+            stack = [b for b in reversed(geometry.blocks_of(p)) if self._state[b] == _FREE]
+            self._stacks[p] = stack
+            self._bucket_of[p] = 0
+            self._free_slots += len(stack)
+            if stack:
+                self._bucket_add(p, len(stack))
+
+    # ------------------------------------------------------------------ public seam
+
+    @property
+    def geometry(self) -> KVGeometry:
+        return self._geometry
+
+    @property
+    def pages(self) -> PageAllocator:
+        """The page allocator this ledger draws from."""
+        return self._pages
+
+    def alloc(self, n: int) -> list[int] | None:
+        """Allocate ``n`` block ids, all or nothing.
+
+        Fills partly used pages first (fullest first), then takes fresh pages from the page
+        allocator. Returns ``None`` on a physical miss (the page allocator could not map
+        enough pages), with nothing allocated. Raises ``PoolFailed`` once the page allocator
+        has failed.
+        """
+        if n <= 0:
+            if n == 0:
+                return []
+            raise ValueError(f"block ledger: cannot allocate {n} blocks")
+        with self._lock:
+            return self._alloc(n, None)
+
+    def alloc_runs(self, n: int) -> list[tuple[int, int]] | None:
+        """``alloc(n)`` as runs: ``(first, count)`` pairs, ascending and not adjacent, each
+        naming the ids ``first .. first+count-1``; together the ``n`` ids ``alloc`` would
+        have handed out (same placement, same all-or-nothing, ``None`` and ``PoolFailed``
+        alike). For a caller that turns ids into a tensor (a run is a slice of a table of
+        every block id) and gives them back as runs (``free_runs``, ``free_range``): fresh
+        pages are handed over as ranges, never as per-id ints."""
+        if n <= 0:
+            if n == 0:
+                return []
+            raise ValueError(f"block ledger: cannot allocate {n} blocks")
+        with self._lock:
+            runs: list[tuple[int, int]] = []
+            ids = self._alloc(n, runs)
+            if ids is None:
+                return None
+            return _as_runs(ids, runs)
+
+    def free(self, block_ids: Sequence[int], fence: int | None = None) -> None:
+        """Free allocated block ids. A page whose blocks are now all free goes back to the
+        page allocator (behind ``fence``, an engine step number, when given: it stays mapped
+        until ``pages.retire(upto)`` with ``upto >= fence``). Raises ``InvalidTransition``
+        naming the id, with nothing changed, for a double free, an id never allocated, a
+        reserved id or one out of range."""
+        with self._lock:
+            if len(block_ids) >= _BY_PAGE_MIN and self._free_by_page(block_ids, fence):
+                return
+            self._free_each(block_ids, fence)
+
+    def free_range(self, first: int, count: int, fence: int | None = None) -> None:
+        """``free(range(first, first + count), fence)`` without building or checking a list
+        of ids: for a caller that holds its ids as one contiguous run (SGLang's sorted,
+        deduplicated page ids of a request). One count checks the whole run and one slice
+        write frees it. Raises ``InvalidTransition`` naming the first id that is not
+        freeable, with nothing changed, like ``free``."""
+        if count <= 0:
+            if count == 0:
+                return
+            raise ValueError(f"block ledger: cannot free {count} blocks")
+        with self._lock:
+            if (
+                first < 0
+                or first + count > self._num_blocks
+                or not self._free_run(first, count, fence)
+            ):
+                self._free_each(range(first, first + count), fence)
+
+    def free_runs(self, runs: Sequence[tuple[int, int]], fence: int | None = None) -> None:
+        """``free`` of the ids of ``runs`` (``(first, count)`` pairs, as ``alloc_runs``
+        returns them), all at once: one count checks each run and slice writes free it.
+        Raises ``InvalidTransition`` naming the first id that is not freeable (runs that
+        overlap name an id twice), with nothing changed, like ``free``; ``ValueError`` for
+        a negative count."""
+        if len(runs) == 1:
+            self.free_range(*runs[0], fence=fence)
+            return
+        if any(count < 0 for _, count in runs):
+            raise ValueError(f"block ledger: cannot free runs {list(runs)}")
+        with self._lock:
+            if not self._free_runs(runs, fence):
+                self._free_each([b for a, k in runs for b in range(a, a + k)], fence)
+
+    def available(self) -> int:
+        """Blocks ``alloc`` could hand out now: free blocks on held pages plus the blocks of
+        the pages the page allocator could still give (an upper bound when the device itself
+        runs short). While the geometry's short last page is mapped but not held (in the
+        reserve or the unmap queue, or being mapped for the reserve), the allocator hands it
+        out before any free page, so it counts as one of those pages for the blocks it
+        holds: under a budget that admits fewer pages than are left, the figure must not
+        promise what ``alloc`` cannot back. Without a budget the figure is exact. A snapshot
+        read without the lock, like ``PageAllocator.available`` (engines ask before every
+        allocation)."""
+        free_slots = self._free_slots
+        unheld = self._num_blocks - self._used - free_slots
+        if unheld <= 0:
+            return free_slots
+        room = self._pages.available() * self._bpp
+        short = self._short_page
+        # mapped and idle, the short page is handed out before any free page (a free one,
+        # the highest id, comes last: then ``unheld`` below already counts it exactly)
+        if (
+            room
+            and short >= 0
+            and self._bucket_of[short] == _NOT_HELD
+            and self._pages.state(short) in _IDLE_MAPPED
+        ):
+            room -= self._bpp - self._capacity[short]
+        return free_slots + min(room, unheld)
+
+    def used(self) -> int:
+        """Allocated blocks, reserved ones included."""
+        return self._used
+
+    def held_free(self) -> int:
+        """Free blocks on pages this ledger holds: what ``alloc`` can hand out without
+        mapping a page (the part of ``available()`` that costs no memory gate charge)."""
+        return self._free_slots
+
+    def page_of(self, block_id: int) -> int:
+        """The page id backing ``block_id``."""
+        return block_id // self._bpp
+
+    def is_allocated(self, block_id: int) -> bool:
+        """Whether ``block_id`` is allocated (reserved blocks are)."""
+        return self._state[block_id] != _FREE
+
+    def eviction_order(self, candidates: Iterable[int]) -> list[int]:
+        """Reorder evictable block ids (allocated, cached, unreferenced, in the engine's LRU
+        order) so blocks whose eviction empties a whole page come first; stable within both
+        groups. A page empties when every allocated block on it is a candidate. Ids that are
+        not allocated here go to the second group."""
+        ordered = list(candidates)
+        with self._lock:
+            state = self._state
+            bpp = self._bpp
+            nb = self._num_blocks
+            counts: dict[int, int] = {}
+            for b in dict.fromkeys(ordered):
+                if 0 <= b < nb and state[b] == _ALLOCATED:
+                    p = b // bpp
+                    counts[p] = counts.get(p, 0) + 1
+            empties = set()
+            for p, k in counts.items():
+                held = self._bucket_of[p] != _NOT_HELD
+                if held and k == self._capacity[p] - len(self._stacks[p]):
+                    empties.add(p)
+            if not empties:
+                return ordered
+            first: list[int] = []
+            rest: list[int] = []
+            for b in ordered:
+                emptying = 0 <= b < nb and b // bpp in empties and state[b] == _ALLOCATED
+                (first if emptying else rest).append(b)
+        return first + rest
+
+    def close(self) -> None:
+        """Close the page allocator (unmaps every page). The ledger is unusable after."""
+        self._pages.close()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _alloc(self, n: int, runs: list[tuple[int, int]] | None) -> list[int] | None:
+        """``alloc(n)`` (``n > 0``) under ``_lock``: the ids taken from partly used pages,
+        then, when ``runs`` is ``None``, those of fresh pages; else the fresh pages' ids go
+        to ``runs`` as ``(first, count)`` ranges. ``None`` on a physical miss."""
+        free_slots = self._free_slots
+        out: list[int] = []
+        if n <= free_slots:  # the partly used pages suffice: no page-allocator call
+            self._take_partly_used(out, n)
+            self._free_slots = free_slots - n
+        else:
+            fresh = self._acquire_pages(n - free_slots)
+            if fresh is None:
+                return None
+            if free_slots:  # every partly used page, taken whole
+                self._take_partly_used(out, free_slots)
+            self._free_slots = 0
+            self._take_fresh(out, n - free_slots, fresh, runs)
+        self._used += n
+        return out
+
+    def _acquire_pages(self, blocks: int) -> list[int] | None:
+        """Fresh pages covering ``blocks`` more blocks (the last page of the geometry may
+        hold fewer than ``blocks_per_page``) in ascending order, or ``None`` with nothing
+        kept."""
+        bpp = self._bpp
+        got = self._pages.acquire(-(-blocks // bpp))
+        if got is None:
+            return None
+        got.sort()  # ascending: consecutive pages make one run of block ids
+        if got[-1] != self._short_page:  # every page whole: they cover ``blocks``
+            return got
+        capacity = self._capacity
+        covered = sum(capacity[p] for p in got)
+        while covered < blocks:  # the short last page came with them: ask for more
+            more = self._pages.acquire(-(-(blocks - covered) // bpp))
+            if more is None:
+                self._pages.release(got)
+                return None
+            got += more
+            covered += sum(capacity[p] for p in more)
+        return got
+
+    def _take_partly_used(self, out: list[int], n: int) -> int:
+        """Append up to ``n`` free blocks of partly used pages to ``out``, fullest page
+        first; returns how many are still wanted. A page taken whole costs one slice write,
+        whatever its size; only the last page, taken in part, is written id by id."""
+        state = self._state
+        stacks = self._stacks
+        buckets = self._buckets
+        bucket_of = self._bucket_of
+        full_rows = self._full_rows
+        full_row = self._full_row
+        bpp = self._bpp
+        while n and self._nonempty:
+            mask = self._nonempty
+            f = (mask & -mask).bit_length() - 1  # len(stacks[p]) of the pages in bucket f
+            bucket = buckets[f]
+            p = bucket.popitem()[0]
+            if not bucket:
+                self._nonempty = mask & ~(1 << f)
+            stack = stacks[p]
+            if f <= n:  # take the whole page: every block on it is now allocated
+                out += stack
+                stacks[p] = []
+                bucket_of[p] = 0
+                row = full_rows.get(p, full_row)
+                first = p * bpp
+                state[first : first + len(row)] = row
+                n -= f
+            else:
+                keep = f - n
+                got = stack[keep:]
+                del stack[keep:]
+                for b in got:
+                    state[b] = _ALLOCATED
+                out += got
+                self._bucket_add(p, keep)
+                n = 0
+        return n
+
+    def _take_fresh(
+        self, out: list[int], n: int, fresh: list[int], runs: list[tuple[int, int]] | None
+    ) -> None:
+        """Append ``n`` blocks of the ``fresh`` pages (in their order) to ``out`` (to
+        ``runs`` as ascending, non-adjacent ``(first, count)`` ranges when given) and give
+        back the pages it did not need (a short last page over-covered). A run of
+        consecutive pages taken whole costs one range and one slice write; a page taken in
+        part keeps its upper blocks on its free stack. Caller holds ``_lock``."""
+        state = self._state
+        capacity = self._capacity
+        bucket_of = self._bucket_of
+        bpp = self._bpp
+        count = len(fresh)
+        i = 0
+        while n:
+            p = fresh[i]
+            start = p * bpp
+            cap = capacity[p]
+            i += 1
+            if n < cap:  # only part of page p: its lowest blocks now, the others on its stack
+                if runs is None:
+                    out += range(start, start + n)
+                elif runs and sum(runs[-1]) == start:  # continues the run before it
+                    runs[-1] = (runs[-1][0], runs[-1][1] + n)
+                else:
+                    runs.append((start, n))
+                state[start : start + n] = _ALLOCATED_BYTE * n
+                self._stacks[p] = list(range(start + cap - 1, start + n - 1, -1))
+                self._free_slots += cap - n
+                self._bucket_add(p, cap - n)
+                break
+            bucket_of[p] = 0
+            end = start + cap
+            n -= cap
+            while n and i < count:  # the next page continues the run and is taken whole
+                q = fresh[i]
+                cap = capacity[q]
+                if q * bpp != end or n < cap:
+                    break
+                bucket_of[q] = 0
+                end += cap
+                n -= cap
+                i += 1
+            if runs is None:
+                out += range(start, end)
+            else:
+                runs.append((start, end - start))
+            state[start:end] = _ALLOCATED_BYTE * (end - start)
+        if i < count:
+            self._pages.release(fresh[i:])
+
+    def _free_by_page(self, block_ids: Sequence[int], fence: int | None) -> bool:
+        """``free`` for many ids at once, page by page: the ids are sorted, each page's share
+        is checked (a contiguous share with one ``bytearray.count``) and written (a page
+        that empties, or a contiguous share, with one slice write). Returns ``False`` with
+        nothing changed when any id is not freeable: ``_free_each`` then names it. Caller
+        holds ``_lock``."""
+        ids = sorted(block_ids)
+        n = len(ids)
+        last = ids[-1]
+        # distinct ids: a sorted share spanning as many ids as it names is then contiguous
+        if ids[0] < 0 or last >= self._num_blocks or len(set(ids)) != n:
+            return False
+        state = self._state
+        if last - ids[0] == n - 1:  # distinct and sorted: one contiguous run
+            return self._free_run(ids[0], n, fence)
+        bpp = self._bpp
+        ends: list[int] = []  # page shares: ids[previous end : end] sit on one page
+        i = 0
+        while i < n:
+            a = ids[i]
+            top = (a // bpp + 1) * bpp  # the next page's first block
+            j = n if last < top else bisect_left(ids, top, i)
+            k = j - i
+            if ids[j - 1] - a == k - 1:  # a contiguous share: one count
+                if state.count(_ALLOCATED, a, a + k) != k:
+                    return False
+            else:
+                for b in ids[i:j]:
+                    if state[b] != _ALLOCATED:
+                        return False
+            ends.append(j)
+            i = j
+        self._used -= n
+        free_slots = self._free_slots + n
+        stacks = self._stacks
+        emptied: list[int] = []
+        i = 0
+        for j in ends:
+            a = ids[i]
+            k = j - i
+            if ids[j - 1] - a == k - 1:
+                state[a : a + k] = bytes(k)
+            else:
+                for b in ids[i:j]:
+                    state[b] = _FREE
+            p = a // bpp
+            now = len(stacks[p]) + k
+            if self._rebucket(p, now):
+                free_slots -= now
+                emptied.append(p)
+            else:
+                stacks[p] += ids[i:j]
+            i = j
+        self._free_slots = free_slots
+        if emptied:
+            self._pages.release(emptied, fence)
+        return True
+
+    def _free_run(self, first: int, n: int, fence: int | None) -> bool:
+        """``_free_by_page`` for the distinct ids ``first .. first+n-1`` (a request's blocks,
+        SGLang's sorted page ids): one count checks them all, then ``_clear_run``. ``False``
+        with nothing changed when one is not allocated. Caller holds ``_lock``."""
+        if self._state.count(_ALLOCATED, first, first + n) != n:
+            return False
+        emptied: list[int] = []
+        self._clear_run(first, n, emptied)
+        if emptied:
+            self._pages.release(emptied, fence)
+        return True
+
+    def _free_runs(self, runs: Sequence[tuple[int, int]], fence: int | None) -> bool:
+        """``free_runs`` when every run is in range, allocated and disjoint from the others
+        (one count per run, checked before anything is written; then ``_clear_run`` each
+        and one release of the pages they emptied); else ``False`` with nothing changed.
+        Caller holds ``_lock``."""
+        ordered = sorted(run for run in runs if run[1])
+        end = 0
+        state = self._state
+        for first, count in ordered:
+            if first < end or state.count(_ALLOCATED, first, first + count) != count:
+                return False  # overlapping (or below 0), or an id not allocated
+            end = first + count
+        if end > self._num_blocks:
+            return False
+        emptied: list[int] = []
+        for first, count in ordered:
+            self._clear_run(first, count, emptied)
+        if emptied:
+            self._pages.release(emptied, fence)
+        return True
+
+    def _clear_run(self, first: int, n: int, emptied: list[int]) -> None:
+        """Free the allocated ids ``first .. first+n-1`` (checked by the caller): one slice
+        write, and the pages between the run's first and last, which it covers whole, are
+        emptied with slice operations (no stack or bucket work); every page it empties is
+        appended to ``emptied`` for the caller to release. Caller holds ``_lock``."""
+        state = self._state
+        end = first + n
+        state[first:end] = bytes(n)
+        self._used -= n
+        self._free_slots += n
+        bpp = self._bpp
+        head, tail = first // bpp, (end - 1) // bpp
+        if self._share_freed(head, first, min((head + 1) * bpp, end)):
+            emptied.append(head)
+        if tail > head + 1:
+            # every block of the pages in between was allocated (the count): each page was
+            # full (bucket 0, empty stack) and is empty now
+            inner = range(head + 1, tail)
+            self._bucket_of[head + 1 : tail] = [_NOT_HELD] * len(inner)
+            self._free_slots -= len(inner) * bpp
+            emptied += inner
+        if tail > head and self._share_freed(tail, tail * bpp, end):
+            emptied.append(tail)
+
+    def _share_freed(self, page: int, lo: int, hi: int) -> bool:
+        """Blocks ``lo .. hi-1`` of ``page`` were just freed (state written, counted in
+        ``_free_slots``): push them on its free stack and rebucket it, or, when no block is
+        left on it, stop holding it, take its blocks off ``_free_slots`` and return
+        ``True`` (the caller releases it). Caller holds ``_lock``."""
+        now = len(self._stacks[page]) + hi - lo
+        if self._rebucket(page, now):
+            self._free_slots -= now
+            return True
+        self._stacks[page] += range(lo, hi)
+        return False
+
+    def _free_each(self, block_ids: Sequence[int], fence: int | None) -> None:
+        """``free`` id by id (few ids, or one not freeable: raises naming it, after undoing
+        what it changed)."""
+        state = self._state
+        stacks = self._stacks
+        nb = self._num_blocks
+        bpp = self._bpp
+        touched: list[int] = []
+        last = -1
+        stack: list[int] = []
+        for i, b in enumerate(block_ids):
+            if not 0 <= b < nb or state[b] != _ALLOCATED:
+                self._undo_free(block_ids, i)
+                raise InvalidTransition(
+                    f"block ledger: cannot free block {b}: {self._why_not_freeable(b)}",
+                    ids=(b,),
+                    hint="free only ids alloc() returned, once each",
+                )
+            state[b] = _FREE
+            p = b // bpp
+            if p != last:
+                last = p
+                stack = stacks[p]
+                touched.append(p)
+            stack.append(b)
+        n = len(block_ids)
+        self._used -= n
+        self._free_slots += n
+        emptied: list[int] = []
+        bucket_of = self._bucket_of
+        for p in touched:
+            was = bucket_of[p]
+            now = len(stacks[p])
+            if was in (now, _NOT_HELD):
+                continue  # seen (or emptied) earlier in this loop
+            if self._rebucket(p, now):
+                self._free_slots -= now
+                emptied.append(p)
+        if emptied:
+            self._pages.release(emptied, fence)
+
+    def _rebucket(self, page: int, free: int) -> bool:
+        """A ``free`` left ``page`` with ``free`` free blocks: move it to that bucket, or,
+        when no block is left on it (reserved ones never leave), stop holding it and return
+        ``True``: the caller takes its blocks off ``_free_slots`` and releases it. Caller
+        holds ``_lock``."""
+        was = self._bucket_of[page]
+        if was:
+            bucket = self._buckets[was]
+            del bucket[page]
+            if not bucket:
+                self._nonempty &= ~(1 << was)
+        if free == self._capacity[page]:
+            self._stacks[page] = []
+            self._bucket_of[page] = _NOT_HELD
+            return True
+        self._bucket_add(page, free)
+        return False
+
+    def _bucket_add(self, page: int, free: int) -> None:
+        bucket = self._buckets[free]
+        if not bucket:
+            self._nonempty |= 1 << free
+        bucket[page] = None
+        self._bucket_of[page] = free
+
+    def _undo_free(self, block_ids: Sequence[int], count: int) -> None:
+        """Take back the first ``count`` blocks a failing ``free`` already put back (in
+        reverse, so every page's stack pops what it got)."""
+        bpp = self._bpp
+        for b in reversed(block_ids[:count]):
+            self._state[b] = _ALLOCATED
+            self._stacks[b // bpp].pop()
+
+    def _why_not_freeable(self, block: int) -> str:
+        if not 0 <= block < self._num_blocks:
+            return f"out of range 0..{self._num_blocks - 1}"
+        if self._state[block] == _RESERVED:
+            return "it is reserved for good"
+        return "not allocated (a double free, or named twice in one call)"
+
+
+def _as_runs(ids: list[int], runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The distinct ``ids`` and the ascending, non-adjacent ``runs`` (``_take_fresh``'s)
+    together as ``(first, count)`` runs, ascending, adjacent ones merged. Ids forming one
+    range (a partly used page taken whole, its blocks freed as a run) cost one ``min`` and
+    one ``max``, and join the first run when they end where it starts (the common case: the
+    fresh pages follow that page); other ids are sorted and split."""
+    if not ids:
+        return runs
+    lo = min(ids)
+    k = len(ids)
+    if max(ids) - lo == k - 1:  # distinct ids spanning as many values: one range
+        if not runs:
+            return [(lo, k)]
+        if lo + k == runs[0][0] and len(runs) == 1:
+            return [(lo, k + runs[0][1])]
+        runs.append((lo, k))
+    else:
+        ids.sort()
+        start = prev = ids[0]
+        for b in ids[1:]:
+            if b != prev + 1:
+                runs.append((start, prev + 1 - start))
+                start = b
+            prev = b
+        runs.append((start, prev + 1 - start))
+    runs.sort()
+    merged = [runs[0]]
+    for first, count in runs[1:]:
+        last, n = merged[-1]
+        if last + n == first:
+            merged[-1] = (last, n + count)
+        else:
+            merged.append((first, count))
+    return merged

@@ -1,0 +1,1102 @@
+"""The page allocator: which page ids hold physical memory, and the reserve that keeps the
+driver off the scheduler thread.
+
+A ``PageAllocator`` owns the page states of one engine's virtual KV tensors (DESIGN.md
+section 5) and decides every page transition; a ``kvcore.memory.mapper.PageMapper`` carries them
+out (locally, or on every TP x PP worker). The block ledger (``kvcore.memory.blocks``) is its
+caller: it ``acquire``\\ s pages when it has no free block left on a mapped page and
+``release``\\ s a page once every block on it is free.
+
+Page states (``PageState``)::
+
+    FREE (unbacked) --map--> IN_USE --release--> RESERVED (mapped, idle) --acquire--> IN_USE
+      ^                        |  \\--release(fence)--> FENCED --retire--> RESERVED / UNMAP_QUEUED
+      |                        \\--release, reserve full--> UNMAP_QUEUED --unmap--> UNMAPPING
+      \\------------------------------------------ commit ------------------------------/
+    any failed rollback --> QUARANTINED (never handed out again)
+    an inconsistent state --> the whole allocator fails (every later call raises PoolFailed)
+
+The reserve. Up to ``reserve_max`` released pages stay mapped in the reserve (fewer when the
+gate's ``reserve_target`` says so); a background thread keeps at least ``reserve_min`` there
+by mapping ahead, more when demand asks for it: with ``reserve_min > 0`` the refill target
+is twice the largest ``acquire`` seen within ``demand_window`` seconds (two bursts' worth),
+between ``reserve_min`` and the reserve's cap, so a burst is covered without keeping
+``reserve_max`` mapped while demand is low (``reserve_min=0`` never maps ahead). A
+background round refills before it unmaps: an unmap first waits for the device to finish
+its queued work, which would hold the refill back by up to a step. While the reserve covers
+demand, ``acquire`` and ``release`` make no mapper (hence no driver) call on the calling
+thread: they move page ids between lists under one lock. Surplus pages are unmapped by the
+background thread too, so unmap outliers (3-5 ms on a GPU) never land on the scheduler
+thread. Only when the reserve and the pages waiting to
+be unmapped cannot cover a request does ``acquire`` map on the calling thread.
+
+Pages in flight. A page the background thread is mapping for the reserve or unmapping is
+still capacity: ``available()`` counts it, and an ``acquire`` that would otherwise miss
+waits for that mapper call to finish and tries again, so a free followed at once by an
+allocation of the same room succeeds exactly as it would on a static pool, and a refill an
+acquire woke never takes the page that acquire then needs.
+
+Fences. ``release(ids, fence=step)`` keeps the pages mapped until ``retire(upto)`` with
+``upto >= step``: engines pass monotonically increasing step numbers, and one ``retire`` of
+the last finished step frees everything released behind it or any earlier step.
+
+Accounting. The gate is charged for exactly the device memory the mapper holds
+(``PageMapper.held_bytes``: mapped pages, handles the mapper pools for reuse, handles whose
+release failed, quarantined pages), never for a byte twice. By default
+(``charge_fixed_bytes=True``) it is also charged the mapper's ``fixed_bytes``
+(``LocalPageMapper``: the cache's zero page, up to 128 MiB; see ``kvcore.memory.virtual_cache
+.default_zero_page_bytes``), from construction to ``close``, so a per-GPU
+ledger shows what an instance really holds; a gate that refuses them at construction
+raises ``PoolFailed``. A budget for ``n`` pages is therefore ``n * page_bytes +
+fixed_bytes``. ``charge_fixed_bytes=False`` leaves the zero page out (whole-page
+arithmetic in tests; a caller that charges it elsewhere). Before a map the allocator
+charges the most the map can add (``pages - mapper.pooled_pages`` pages: a map served from
+the pool charges nothing); after every mapper call it settles the charge to ``held_bytes``,
+giving back only real shrinkage. Charges and mapper calls happen under one lock, so the
+figures cannot move in between. Pooled handles count as idle memory, like the reserve:
+``report_reserve`` includes them, and when the gate's ``reserve_target`` cuts the idle
+memory, or on ``trim()``, the pool is released first.
+
+Failure handling (DESIGN.md section 6, invariants 2 and 3):
+
+* a physical shortage (the gate refuses, the mapper raises ``OutOfDeviceMemory``) or a map
+  the mapper rolled back cleanly (any other ``VmmError``) is a *miss*: ``acquire`` returns
+  ``None`` and every page it touched is back where it was;
+* ``PageQuarantined`` from the mapper quarantines the pages it names (every page of the call
+  when it names none): capacity shrinks, the caller sees a miss. The gate stays charged for
+  whatever memory the mapper still holds for them;
+* ``PoolFailed`` from the mapper, any other exception from the mapper or the gate, or a
+  state the allocator cannot explain fails the allocator: that call and every later one
+  raise ``PoolFailed``.
+
+The mapper and the gate's ``try_acquire`` / ``release`` are called with one lock held
+(``PageMapper`` implementations need not be thread-safe); the allocator's own state is
+guarded by another, never held across a mapper or gate call.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+from kvcore.budget.gate import MemoryGate, UnlimitedGate
+from kvcore.errors import (
+    InvalidTransition,
+    PageQuarantined,
+    PoolFailed,
+    VmmError,
+)
+from kvcore.memory.mapper import PageMapper
+
+__all__ = ["TRANSITIONS", "PageAllocator", "PageState", "PageStats"]
+
+log = logging.getLogger(__name__)
+
+
+class PageState(enum.IntEnum):
+    """The state of one page id (DESIGN.md section 5)."""
+
+    FREE = 0
+    """Unbacked: never mapped, or unmapped and its handle committed. Reads hit the zero page."""
+    MAPPING = 1
+    """A map of this page is in flight."""
+    IN_USE = 2
+    """Mapped and handed out by ``acquire``: blocks on it may be live."""
+    RESERVED = 3
+    """Mapped and idle in the reserve; ``acquire`` hands it out without a driver call."""
+    FENCED = 4
+    """Released behind a fence: still mapped (an in-flight batch may read it) until
+    ``retire(upto)`` with ``upto >= fence``."""
+    UNMAP_QUEUED = 5
+    """Released surplus, still mapped, waiting for the background unmap; ``acquire`` may
+    take it back without a driver call."""
+    UNMAPPING = 6
+    """``prepare_unmap`` / ``commit_unmap`` in flight."""
+    QUARANTINED = 7
+    """A rollback failed: the page is never handed out again."""
+
+
+_S = PageState
+TRANSITIONS: frozenset[tuple[PageState, PageState]] = frozenset(
+    {
+        (_S.FREE, _S.MAPPING),
+        (_S.MAPPING, _S.IN_USE),
+        (_S.MAPPING, _S.RESERVED),
+        (_S.MAPPING, _S.FREE),
+        (_S.MAPPING, _S.QUARANTINED),
+        (_S.RESERVED, _S.IN_USE),
+        (_S.RESERVED, _S.UNMAP_QUEUED),
+        (_S.IN_USE, _S.RESERVED),
+        (_S.IN_USE, _S.FENCED),
+        (_S.IN_USE, _S.UNMAP_QUEUED),
+        (_S.IN_USE, _S.UNMAPPING),
+        (_S.FENCED, _S.RESERVED),
+        (_S.FENCED, _S.UNMAP_QUEUED),
+        (_S.FENCED, _S.UNMAPPING),
+        (_S.UNMAP_QUEUED, _S.IN_USE),
+        (_S.UNMAP_QUEUED, _S.RESERVED),
+        (_S.UNMAP_QUEUED, _S.UNMAPPING),
+        (_S.RESERVED, _S.UNMAPPING),
+        (_S.UNMAPPING, _S.FREE),
+        (_S.UNMAPPING, _S.RESERVED),
+        (_S.UNMAPPING, _S.QUARANTINED),
+    }
+)
+"""Every legal ``(from, to)`` page transition. The allocator fails (``PoolFailed``) rather
+than make any other."""
+
+# plain ints on the hot path (an IntEnum hashes and compares in Python code)
+_FREE, _MAPPING, _IN_USE, _RESERVED = 0, 1, 2, 3
+_FENCED, _QUEUED, _UNMAPPING, _QUARANTINED = 4, 5, 6, 7
+_RELEASING = 255  # transient marker while ``release`` / ``retire`` move their ids
+_LEGAL = frozenset({(int(a), int(b)) for a, b in TRANSITIONS} | {(_FENCED, _RELEASING)})
+_BACKED = frozenset({_IN_USE, _RESERVED, _FENCED, _QUEUED, _UNMAPPING})
+
+
+@dataclass(frozen=True)
+class PageStats:
+    """A snapshot of the allocator (``PageAllocator.stats()``); counts are page ids unless
+    named otherwise."""
+
+    num_pages: int
+    page_bytes: int
+    mapped: int
+    """Pages holding physical memory (in use, reserved, fenced, waiting for or in unmap)."""
+    in_use: int
+    reserved: int
+    fenced: int
+    """Released pages waiting for their fence to retire."""
+    pending_fences: int
+    """Fences with at least one page behind them."""
+    pooled: int
+    """Pages' worth of unmapped handles the mapper keeps for reuse (``mapper.pooled_pages``)."""
+    charged_bytes: int
+    """Bytes charged to the gate: what the mapper held after its last call
+    (``mapper.held_bytes``), mapped, pooled, quarantined and unreleased memory alike, plus
+    its ``fixed_bytes`` (the zero page) with ``charge_fixed_bytes``."""
+    unmap_pending: int
+    """Pages queued for, or in, the background unmap."""
+    quarantined: int
+    free: int
+    """Unbacked pages that can still be mapped."""
+    misses: int
+    """``acquire`` calls that returned ``None``."""
+    caller_mapper_calls: int
+    """Mapper calls made on any thread but the background one (the scheduler's)."""
+    refill_mapper_calls: int
+    """Mapper calls made on the background refill/unmap thread."""
+    failed: bool
+
+
+class PageAllocator:
+    """Page states, the pre-mapped reserve and its background thread for one ``PageMapper``.
+
+    ``gate`` admits every byte mapped (default: an ``UnlimitedGate``). ``reserve_min`` /
+    ``reserve_max`` bound the reserve in pages (``0 <= reserve_min <= reserve_max``);
+    ``retry_interval`` is how long the background thread waits before mapping again after
+    a miss (doubling per further miss, up to 20x, while its batch halves),
+    ``refill_batch`` the most pages it maps in one mapper call (each batch joins the reserve
+    as soon as it is mapped, and the mapper is free in between for a caller that must map
+    on its own thread), ``charge_fixed_bytes`` whether the gate is also charged the
+    mapper's ``fixed_bytes`` (module docstring),
+    ``poll_interval`` how often it re-reads the gate's ``reserve_target`` and
+    reports the reserve while idle, ``demand_window`` how long (seconds) the largest recent
+    ``acquire`` raises the refill target (module docstring). Every method is thread-safe.
+    Raises ``ValueError`` for bounds that do not fit the mapper's page count.
+    """
+
+    def __init__(
+        self,
+        mapper: PageMapper,
+        gate: MemoryGate | None = None,
+        *,
+        reserve_min: int = 0,
+        reserve_max: int = 0,
+        retry_interval: float = 0.05,
+        poll_interval: float = 0.25,
+        refill_batch: int = 8,
+        charge_fixed_bytes: bool = True,
+        demand_window: float = 2.0,
+    ) -> None:
+        num_pages = mapper.num_pages
+        if refill_batch < 1:
+            raise ValueError(f"page allocator: refill_batch must be >= 1, got {refill_batch}")
+        if not 0 <= reserve_min <= reserve_max <= num_pages:
+            raise ValueError(
+                f"page allocator: need 0 <= reserve_min ({reserve_min}) <= reserve_max "
+                f"({reserve_max}) <= num_pages ({num_pages})"
+            )
+        self._mapper = mapper
+        self._gate: MemoryGate = gate if gate is not None else UnlimitedGate()
+        headroom = getattr(self._gate, "headroom", None)  # optional beyond MemoryGate
+        self._headroom: Callable[[], int | None] | None = headroom if callable(headroom) else None
+        self._num_pages = num_pages
+        self._page_bytes = mapper.page_bytes
+        self._reserve_min = reserve_min
+        self._demand_window = demand_window
+        self._demand = 0  # the largest acquire since _demand_since (pages)
+        self._demand_since = time.monotonic()
+        self._refill_goal = reserve_min  # _refill_target_locked() before the gate's cap
+        self._reserve_max = reserve_max
+        self._retry_interval = retry_interval
+        self._poll_interval = poll_interval
+
+        self._state = bytearray(num_pages)  # PageState per page id
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # lowest id on top
+        self._reserve: list[int] = []
+        self._unmap_queue: list[int] = []
+        self._fenced: dict[int, list[int]] = {}  # fence -> pages released behind it
+        self._fence_heap: list[int] = []  # the keys of _fenced, smallest first
+        self._retired_upto: int | None = None  # the largest ``retire(upto)`` so far
+        self._charged = 0  # bytes charged to the gate; written under _mapper_lock
+        # device memory the mapper holds whatever the page states (a cache's zero page)
+        self._fixed_bytes = int(getattr(mapper, "fixed_bytes", 0)) if charge_fixed_bytes else 0
+        self._pooled = 0  # mapper.pooled_pages after its last call; written under _mapper_lock
+        self._trim_pool = False  # trim() asked the background thread to drop the pool
+        self._reserve_cap = reserve_max  # gate-approved reserve size, refreshed off-thread
+        self._refill_paused = False  # set by trim() until the next acquire
+        self._retry_at = 0.0  # no background map before this monotonic time
+        self._backoff = retry_interval  # doubles on each background miss, up to 20x
+        self._unmap_retry_at = 0.0  # no background unmap before this (after a failed one)
+        self._unmap_backoff = retry_interval
+        self._refill_batch = refill_batch
+        self._batch_limit = refill_batch  # pages per background map; halves on each miss
+        self._reserve_dirty = True
+        self._busy = False  # background thread inside a round
+        self._kick = False  # flush() asked for a round
+        self._rounds = 0
+        self._misses = 0
+        self._calls_caller = 0
+        self._calls_refill = 0
+        # pages the background thread has in a mapper call now (MAPPING for the reserve,
+        # UNMAPPING): capacity an acquire waits for rather than misses (invariant 2)
+        self._bg_maps: list[int] = []
+        self._bg_unmaps: list[int] = []
+        self._failure: str | None = None
+        self._failure_cause: BaseException | None = None
+        self._closed = False
+        self._stop = False
+
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)  # the background thread waits here
+        self._settled = threading.Condition(self._lock)  # flush() waits here
+        self._mapper_lock = threading.Lock()
+        with self._mapper_lock:  # a mapper reused from an earlier allocator may hold memory
+            if not self._settle_charge_locked():
+                raise PoolFailed(
+                    f"page allocator: the gate refuses the "
+                    f"{mapper.held_bytes + self._fixed_bytes} bytes the mapper already holds "
+                    f"({self._fixed_bytes} of them its zero page)",
+                    hint="trim or close the mapper's earlier user first, or raise the limit",
+                )
+        self._thread = threading.Thread(target=self._run, name="kvcore-page-refill", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public seam
+
+    @property
+    def num_pages(self) -> int:
+        """Page ids managed (``mapper.num_pages``)."""
+        return self._num_pages
+
+    @property
+    def page_bytes(self) -> int:
+        """Device bytes one mapped page id costs (``mapper.page_bytes``)."""
+        return self._page_bytes
+
+    def acquire(self, n: int) -> list[int] | None:
+        """Hand out ``n`` mapped page ids, now ``IN_USE``.
+
+        Taken from the reserve first, then from pages waiting to be unmapped, then mapped
+        on this thread (after ``gate.try_acquire``). When that falls short while the
+        background thread is mapping pages for the reserve or unmapping pages (whose bytes
+        then return to the gate), ``acquire`` waits for that mapper call and tries again,
+        so pages in flight never turn into a miss: without a budget it succeeds whenever
+        ``n`` unquarantined pages exist. Returns ``None`` on a physical miss (gate refused,
+        out of device memory, a rolled-back or quarantining map, too few unquarantined
+        pages) with every page it touched back where it was. Raises ``PoolFailed`` once the
+        allocator has failed.
+        """
+        if n <= 0:
+            if n == 0:
+                return []
+            raise ValueError(f"page allocator: cannot acquire {n} pages")
+        while True:
+            ids = self._acquire_once(n)
+            if ids is not None:
+                return ids
+            with self._lock:  # a miss: pages the background thread holds may still serve it
+                if not self._settle_background_locked():
+                    self._misses += 1
+                    return None
+
+    def _acquire_once(self, n: int) -> list[int] | None:
+        """One ``acquire`` attempt; ``None`` on a miss with everything put back."""
+        with self._lock:
+            if self._failure is not None or self._closed:
+                self._check_usable()
+            self._refill_paused = False
+            reserve = self._reserve
+            if n > self._demand and self._reserve_min:  # a larger burst: the target follows
+                self._note_demand_locked(n)
+            if len(reserve) >= n:  # the hot path: no mapper or gate call
+                ids = reserve[-n:]
+                del reserve[-n:]
+                state = self._state
+                for p in ids:
+                    if state[p] != _RESERVED:
+                        self._fail_locked(f"reserve page {p} is {_name(state[p])}, not RESERVED")
+                    state[p] = _IN_USE
+                self._reserve_dirty = True
+                if len(reserve) < self._refill_goal:
+                    self._wake.notify()
+                return ids
+            from_reserve = reserve[:]
+            reserve.clear()
+            self._move(from_reserve, _RESERVED, _IN_USE)
+            queue = self._unmap_queue
+            k = min(len(queue), n - len(from_reserve))
+            reclaimed = queue[len(queue) - k :]
+            del queue[len(queue) - k :]
+            self._move(reclaimed, _QUEUED, _IN_USE)
+            ids = from_reserve + reclaimed
+            need = n - len(ids)
+            self._reserve_dirty = True
+            self._wake.notify()
+            if need == 0:
+                return ids
+            if need > len(self._free):
+                self._undo_acquire(ids)
+                return None
+            fresh = self._free[len(self._free) - need :]
+            del self._free[len(self._free) - need :]
+            self._move(fresh, _FREE, _MAPPING)
+        mapped = self._map(fresh, refill=False)
+        with self._lock:
+            if mapped:
+                self._move(fresh, _MAPPING, _IN_USE)
+                return ids + fresh
+            self._undo_acquire(ids)
+            self._check_usable()
+            return None
+
+    def acquire_ids(self, page_ids: Sequence[int]) -> bool:
+        """Make these specific page ids ``IN_USE`` (e.g. the page of a permanently reserved
+        block). Reserved or queued pages are taken without a driver call; free ones are
+        mapped on this thread; a page another thread is mapping or unmapping is waited
+        for. Returns ``False`` on a physical miss (nothing changed). Raises
+        ``InvalidTransition`` for a page already in use, fenced or quarantined,
+        ``PoolFailed`` once the allocator has failed."""
+        ids = list(dict.fromkeys(page_ids))
+        with self._lock:
+            self._check_usable()
+            state = self._state
+            bad = [p for p in ids if not 0 <= p < self._num_pages]
+            if bad:
+                raise InvalidTransition(
+                    f"page allocator: page ids {bad} are outside 0..{self._num_pages - 1}",
+                    ids=bad,
+                )
+            # a page the background thread is mapping or unmapping settles within its round
+            while any(state[p] in (_MAPPING, _UNMAPPING) for p in ids):
+                self._wake.notify()
+                self._settled.wait(self._poll_interval)
+                self._check_usable()
+            bad = [p for p in ids if state[p] not in (_FREE, _RESERVED, _QUEUED)]
+            if bad:
+                raise InvalidTransition(
+                    f"page allocator: cannot acquire pages {bad} in state "
+                    f"{[PageState(state[p]).name for p in bad]}",
+                    ids=bad,
+                    hint="only free, reserved or unmap-queued pages can be acquired",
+                )
+            fresh = [p for p in ids if state[p] == _FREE]
+            for p in ids:
+                if state[p] == _RESERVED:
+                    self._reserve.remove(p)
+                    self._move((p,), _RESERVED, _IN_USE)
+                elif state[p] == _QUEUED:
+                    self._unmap_queue.remove(p)
+                    self._move((p,), _QUEUED, _IN_USE)
+            for p in fresh:
+                self._free.remove(p)
+            self._move(fresh, _FREE, _MAPPING)
+            self._reserve_dirty = True
+            self._wake.notify()
+        if not fresh:
+            return True
+        mapped = self._map(fresh, refill=False)
+        with self._lock:
+            if mapped:
+                self._move(fresh, _MAPPING, _IN_USE)
+                return True
+            self._undo_acquire([p for p in ids if p not in fresh])
+            self._misses += 1
+            self._check_usable()
+            return False
+
+    def release(self, page_ids: Sequence[int], fence: int | None = None) -> None:
+        """Give back ``IN_USE`` pages whose blocks are all free.
+
+        Without a ``fence`` each page goes to the reserve while it is below the gate's
+        reserve target, else it is queued for the background thread to unmap
+        (``prepare_unmap`` + ``commit_unmap``, then the gate's charge settled). With a
+        ``fence`` (an engine step number) the pages stay mapped until ``retire(upto)`` with
+        ``upto >= fence``: the barrier that proves no in-flight batch still reads them; a
+        fence at or below a ``retire`` already made has passed, and the pages are released
+        at once. Makes no mapper call. Raises ``InvalidTransition`` (nothing changed) for a
+        page not in use or named twice, ``PoolFailed`` once failed.
+        """
+        with self._lock:
+            if self._failure is not None or self._closed:
+                self._check_usable()
+            state = self._state
+            num_pages = self._num_pages
+            for i, p in enumerate(page_ids):
+                if not 0 <= p < num_pages or state[p] != _IN_USE:
+                    if not 0 <= p < self._num_pages:
+                        shown = "out of range"
+                    elif state[p] == _RELEASING:
+                        shown = "named twice"
+                    else:
+                        shown = f"in state {PageState(state[p]).name}"
+                    for q in page_ids[:i]:
+                        state[q] = _IN_USE
+                    raise InvalidTransition(
+                        f"page allocator: cannot release page {p}: {shown}",
+                        ids=(p,),
+                        hint="release only pages acquire() handed out, once each",
+                    )
+                state[p] = _RELEASING
+            if fence is not None and (self._retired_upto is None or fence > self._retired_upto):
+                for p in page_ids:
+                    state[p] = _FENCED
+                behind = self._fenced.get(fence)
+                if behind is None:
+                    self._fenced[fence] = behind = []
+                    heapq.heappush(self._fence_heap, fence)
+                behind.extend(page_ids)
+                return
+            self._park(page_ids)
+
+    def retire(self, upto: int) -> int:
+        """Every barrier up to ``upto`` has passed (engines: the last step whose batch
+        finished): pages released behind any fence ``<= upto`` go to the reserve or the
+        unmap queue like an unfenced ``release``, and a later ``release`` behind such a fence
+        is released at once. Returns how many pages it freed (0 when nothing was behind
+        those fences). O(pages freed + log(fences) per fence retired); makes no mapper
+        call."""
+        with self._lock:
+            self._check_usable()
+            if self._retired_upto is None or upto > self._retired_upto:
+                self._retired_upto = upto
+            heap = self._fence_heap
+            pages: list[int] = []
+            while heap and heap[0] <= upto:
+                pages += self._fenced.pop(heapq.heappop(heap))
+            if not pages:
+                return 0
+            self._move(pages, _FENCED, _RELEASING)
+            self._park(pages)
+            return len(pages)
+
+    def trim(self) -> int:
+        """Give idle memory back to the driver: the whole reserve is unmapped by the
+        background thread, then the mapper's pooled handles are released, and the refill
+        stays paused until the next ``acquire``. Returns the reserve pages dropped. Makes
+        no mapper call (``flush()`` waits for the background thread to finish)."""
+        with self._lock:
+            self._check_usable()
+            dropped = self._reserve[:]
+            self._reserve.clear()
+            self._move(dropped, _RESERVED, _QUEUED)
+            self._unmap_queue.extend(dropped)
+            self._refill_paused = True
+            self._trim_pool = True
+            self._reserve_dirty = True
+            self._wake.notify()
+            return len(dropped)
+
+    def flush(self, timeout: float | None = 10.0) -> bool:
+        """Wait until the background thread has done one full round after this call and has
+        nothing left to do: no unmap pending, the reserve within its bounds (or the refill
+        blocked by a miss, a pause or no free pages). Returns ``False`` on timeout. For
+        tests, benchmarks and the control plane; never needed on the hot path."""
+        with self._lock:
+            self._check_usable()
+            # a round that *starts* after this call sees everything done before it
+            need = self._rounds + (2 if self._busy else 1)
+            self._kick = True
+            self._wake.notify()
+            done = self._settled.wait_for(
+                lambda: (
+                    self._failure is not None
+                    or (self._rounds >= need and not self._busy and self._idle_locked())
+                ),
+                timeout,
+            )
+            self._check_usable()
+            return done
+
+    def state(self, page_id: int) -> PageState:
+        """The current state of one page id."""
+        with self._lock:
+            return PageState(self._state[page_id])
+
+    def available(self) -> int:
+        """Pages ``acquire`` could hand out now: reserved, queued for unmap, in a background
+        mapper call (``acquire`` waits for those), and free pages the mapper's pool or the
+        gate would still admit (``gate.headroom()`` where the gate has one). An upper
+        bound: the device itself may still run out. A snapshot read
+        without the lock (engines ask before every allocation): a page the background
+        thread moves meanwhile may be missed or, once, counted twice."""
+        if self._failure is not None or self._closed:
+            self._check_usable()
+        free = len(self._free)
+        headroom = self._headroom
+        if headroom is not None:
+            room = headroom()
+            if isinstance(room, int):
+                free = min(free, self._pooled + max(room, 0) // self._page_bytes)
+        inflight = len(self._bg_maps) + len(self._bg_unmaps)  # ``acquire`` waits for them
+        return len(self._reserve) + len(self._unmap_queue) + free + inflight
+
+    def stats(self) -> PageStats:
+        """A consistent snapshot of page counts and mapper-call counters."""
+        with self._lock:
+            counts = [0] * len(PageState)
+            for s in self._state:
+                counts[s if s != _RELEASING else _IN_USE] += 1
+            return PageStats(
+                num_pages=self._num_pages,
+                page_bytes=self._page_bytes,
+                mapped=sum(counts[s] for s in _BACKED),
+                in_use=counts[_IN_USE],
+                reserved=counts[_RESERVED],
+                fenced=counts[_FENCED],
+                pending_fences=len(self._fenced),
+                pooled=self._pooled,
+                charged_bytes=self._charged,
+                unmap_pending=counts[_QUEUED] + counts[_UNMAPPING],
+                quarantined=counts[_QUARANTINED],
+                free=counts[_FREE],
+                misses=self._misses,
+                caller_mapper_calls=self._calls_caller,
+                refill_mapper_calls=self._calls_refill,
+                failed=self._failure is not None,
+            )
+
+    def close(self) -> None:
+        """Stop the background thread, unmap every mapped page (in use ones included: the
+        engine is going away), release the mapper's pooled handles and settle the gate's
+        charge to what the mapper still holds: nothing, unless pages are quarantined or a
+        release failed (the mapper's own ``close``, which the owner calls next, releases
+        those; closing the gate drops their charge). The charge for the mapper's
+        ``fixed_bytes`` ends here too (the owner closes the cache next). Idempotent.
+        Raises ``PoolFailed`` if the final unmap of a healthy allocator failed; after a
+        fail-stop it only tries."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stop = True
+            self._wake.notify_all()
+            self._settled.notify_all()
+        self._thread.join()
+        with self._lock:
+            backed = [p for p in range(self._num_pages) if self._state[p] in _BACKED]
+            for p in backed:
+                self._state[p] = _UNMAPPING
+            self._reserve.clear()
+            self._unmap_queue.clear()
+            self._fenced.clear()
+            self._fence_heap.clear()
+        error: BaseException | None = None
+        with self._mapper_lock:
+            try:
+                if backed:
+                    self._calls_caller += 2
+                    self._mapper.prepare_unmap(backed)
+                    self._mapper.commit_unmap(backed)
+            except BaseException as exc:  # close is best effort; report at the end
+                error = exc
+            try:
+                self._calls_caller += 1
+                self._mapper.trim_pool()
+            except BaseException as exc:
+                log.warning("kvcore: releasing the mapper's pooled handles at close: %r", exc)
+            try:
+                self._settle_charge_locked(closing=True)
+                self._gate.report_reserve(0)
+            except BaseException as exc:
+                log.error("kvcore: settling the gate's charge at close failed: %r", exc)
+        with self._lock:
+            if error is None:
+                for p in backed:
+                    self._state[p] = _FREE
+        if error is not None and self._failure is None:  # a failed pool already said so
+            raise PoolFailed(
+                f"page allocator: unmapping {len(backed)} pages at close failed: {error}",
+                hint="the mapper's close() releases what is left",
+            ) from error
+
+    def __enter__(self) -> PageAllocator:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ state helpers
+
+    def _move(self, pages: Sequence[int], frm: int, to: int) -> None:
+        """Transition ``pages`` from ``frm`` to ``to`` (``PageState`` values); any surprise
+        fails the allocator. Caller holds ``_lock``."""
+        if (frm, to) not in _LEGAL:
+            self._fail_locked(f"illegal page transition {_name(frm)} -> {_name(to)}")
+        state = self._state
+        for p in pages:
+            if state[p] != frm:
+                self._fail_locked(
+                    f"page {p} is {_name(state[p])}, expected {_name(frm)} (moving to {_name(to)})"
+                )
+            state[p] = to
+
+    def _park(self, pages: Sequence[int]) -> None:
+        """Released pages (marked ``_RELEASING``, checked by the caller) go to the reserve up
+        to its cap, the rest to the unmap queue. Caller holds ``_lock``."""
+        state = self._state
+        room = self._reserve_cap - len(self._reserve)
+        if room >= len(pages):
+            for p in pages:
+                state[p] = _RESERVED
+            self._to_reserve(pages)
+        else:
+            room = max(room, 0)
+            keep, drop = pages[:room], pages[room:]
+            for p in keep:
+                state[p] = _RESERVED
+            self._to_reserve(keep)
+            for p in drop:
+                state[p] = _QUEUED
+            self._unmap_queue.extend(drop)
+            self._wake.notify()
+        self._reserve_dirty = True
+
+    def _to_reserve(self, pages: Sequence[int]) -> None:
+        """Add mapped idle pages to the reserve, which stays sorted highest id first:
+        ``acquire`` hands out the lowest ids (dense, consecutive pages: one run of block ids)
+        and a surplus unmaps the highest. Caller holds ``_lock``."""
+        reserve = self._reserve
+        reserve.extend(pages)
+        reserve.sort(reverse=True)
+
+    def _settle_background_locked(self) -> bool:
+        """Wait until the background thread's current mapper calls are done (pages it is
+        mapping for the reserve or unmapping): ``True`` when there were any, so that an
+        ``acquire`` that missed may try again. Caller holds ``_lock``."""
+        if not (self._bg_maps or self._bg_unmaps):
+            return False
+        self._settled.wait_for(
+            lambda: not (self._bg_maps or self._bg_unmaps) or self._failure is not None,
+            _SETTLE_TIMEOUT,
+        )
+        self._check_usable()
+        return not (self._bg_maps or self._bg_unmaps)
+
+    def _undo_acquire(self, ids: list[int]) -> None:
+        """Put pages a failed acquire took back, as reserved (the background thread trims
+        any surplus). Caller holds ``_lock``."""
+        self._move(ids, _IN_USE, _RESERVED)
+        self._to_reserve(ids)
+        self._reserve_dirty = True
+        self._wake.notify()
+
+    def _idle_locked(self) -> bool:
+        if self._unmap_queue or self._trim_pool or len(self._reserve) > self._reserve_cap:
+            return False
+        return self._refill_deficit_locked() == 0 or self._refill_blocked_locked()
+
+    def _note_demand_locked(self, n: int) -> None:
+        """Raise the refill goal to twice ``n`` pages (within ``reserve_min`` ..
+        ``reserve_max``) for ``demand_window`` seconds. Caller holds ``_lock``."""
+        self._demand = n
+        self._demand_since = time.monotonic()
+        self._refill_goal = min(max(self._reserve_min, 2 * n), self._reserve_max)
+
+    def _refill_target_locked(self) -> int:
+        if self._refill_paused:
+            return 0
+        if self._demand and time.monotonic() - self._demand_since > self._demand_window:
+            self._demand //= 2  # demand fell: the goal decays, one halving per window
+            self._demand_since = time.monotonic()
+            self._refill_goal = min(max(self._reserve_min, 2 * self._demand), self._reserve_max)
+        return min(self._refill_goal, self._reserve_cap)
+
+    def _refill_deficit_locked(self) -> int:
+        return max(self._refill_target_locked() - len(self._reserve), 0)
+
+    def _refill_blocked_locked(self) -> bool:
+        return not self._free or time.monotonic() < self._retry_at
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise PoolFailed(
+                f"page allocator failed: {self._failure}",
+                hint="fail-stop: restart the engine; the per-GPU ledger reclaims its pages",
+            ) from self._failure_cause
+        if self._closed:
+            raise PoolFailed("page allocator is closed", hint="build a new one")
+
+    def _fail_locked(self, reason: str, cause: BaseException | None = None) -> NoReturn:
+        """Fail-stop: record why (the first reason wins), wake everyone, raise
+        ``PoolFailed``."""
+        if self._failure is None:
+            self._failure = reason
+            self._failure_cause = cause
+            self._wake.notify_all()
+            self._settled.notify_all()
+        self._check_usable()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _fail(self, reason: str, cause: BaseException | None = None) -> NoReturn:
+        with self._lock:
+            self._fail_locked(reason, cause)
+
+    # ------------------------------------------------------------------ mapper calls
+
+    def _count_call(self, refill: bool) -> None:
+        if refill:
+            self._calls_refill += 1
+        else:
+            self._calls_caller += 1
+
+    def _map(self, pages: list[int], *, refill: bool) -> bool:
+        """Map ``MAPPING`` pages. ``True``: mapped, still ``MAPPING`` for the caller to move
+        on. ``False``: a miss, the pages are ``FREE`` (or quarantined) again. Raises
+        ``PoolFailed`` when the allocator failed.
+
+        The gate is charged first for the most the map can add (pooled handles cost
+        nothing more), then settled to what the mapper holds after the call. A map that
+        grew the mapper beyond that charge (only if something else drove the mapper) and
+        that the gate then refuses is undone: a miss."""
+        with self._mapper_lock:
+            growth = max(len(pages) - self._mapper.pooled_pages, 0) * self._page_bytes
+            try:
+                admitted = self._gate_acquire(growth)
+            except PoolFailed:  # the gate broke: fail-stop, the pages were never mapped
+                self._return_to_free(pages)
+                raise
+            if not admitted:
+                self._return_to_free(pages)
+                return False
+            self._charged += growth
+            quarantined: list[int] | None = None
+            try:
+                self._count_call(refill)
+                self._mapper.map(pages)
+            except PageQuarantined as exc:
+                quarantined = _named_or_all(exc.page_ids, pages)
+            except PoolFailed as exc:
+                self._fail(f"mapper failed while mapping pages {pages}: {exc}", exc)
+            except VmmError:  # out of device memory, or a map the mapper rolled back cleanly
+                quarantined = []
+            except BaseException as exc:
+                self._fail(f"unexpected error while mapping pages {pages}: {exc!r}", exc)
+            if self._settle_charge_locked():
+                if quarantined is None:
+                    return True
+            elif quarantined is None:
+                log.error(
+                    "kvcore: mapping pages %s grew the mapper to %d bytes, beyond what the "
+                    "gate admits (was the mapper driven by another caller?); undoing it",
+                    pages,
+                    self._mapper.held_bytes,
+                )
+                quarantined = self._undo_map_locked(pages)
+            self._to_free(pages, _MAPPING, quarantined=quarantined)
+            return False
+
+    def _undo_map_locked(self, pages: list[int]) -> list[int]:
+        """Unmap pages this allocator just mapped (the gate refused what they cost); the
+        pages that could not be unmapped, to quarantine. Caller holds ``_mapper_lock``."""
+        try:
+            self._mapper.prepare_unmap(pages)
+        except PageQuarantined as exc:
+            return _named_or_all(exc.page_ids, pages)
+        except VmmError:
+            return list(pages)
+        except BaseException as exc:
+            self._fail(f"undoing the map of pages {pages} failed: {exc!r}", exc)
+        try:
+            self._mapper.commit_unmap(pages)
+        except VmmError:  # unbacked; a handle release waits for a retry (still charged)
+            pass
+        except BaseException as exc:
+            self._fail(f"undoing the map of pages {pages} failed: {exc!r}", exc)
+        self._settle_charge_locked()
+        return []
+
+    def _return_to_free(self, pages: list[int]) -> None:
+        with self._lock:
+            self._move(pages, _MAPPING, _FREE)
+            self._free.extend(reversed(pages))
+
+    def _unmap(self, pages: list[int]) -> bool:
+        """Unmap ``UNMAPPING`` pages (background thread only) and return their bytes.
+        ``False`` when the prepare failed and the pages went back to the reserve."""
+        try:
+            # not under _mapper_lock: the prepare waits for the device (mapper.py), and an
+            # acquire mapping other pages on the engine's thread meanwhile must not wait too
+            self._calls_refill += 1  # written by this thread only
+            self._mapper.prepare_unmap(pages)
+        except PageQuarantined as exc:
+            bad = _named_or_all(exc.page_ids, pages)
+            self._settle_unmap_failure(pages, bad)
+            return False
+        except PoolFailed as exc:
+            self._fail(f"mapper failed while unmapping pages {pages}: {exc}", exc)
+        except VmmError:  # the mapper restored the mappings: the pages stay mapped
+            self._settle_unmap_failure(pages, [])
+            return False
+        except BaseException as exc:
+            self._fail(f"unexpected error while unmapping pages {pages}: {exc!r}", exc)
+        quarantined: list[int] = []
+        for attempt in (1, 2):  # commit is idempotent: one retry
+            try:
+                with self._mapper_lock:
+                    self._calls_refill += 1
+                    try:
+                        self._mapper.commit_unmap(pages)
+                    finally:  # what was released (or pooled) settles either way
+                        self._settle_charge_locked()
+                break
+            except PageQuarantined as exc:
+                quarantined = _named_or_all(exc.page_ids, pages)
+                break
+            except PoolFailed as exc:
+                self._fail(f"mapper failed while committing unmap of {pages}: {exc}", exc)
+            except VmmError:
+                if attempt == 2:  # handles in an unknown state: never reuse these ids
+                    quarantined = list(pages)
+            except BaseException as exc:
+                self._fail(f"unexpected error committing unmap of {pages}: {exc!r}", exc)
+        self._to_free(pages, _UNMAPPING, quarantined=quarantined)
+        return True
+
+    def _to_free(self, pages: list[int], frm: int, quarantined: Sequence[int]) -> None:
+        """Pages leave a failed or finished mapper call: ``quarantined`` ones for good, the
+        others unbacked. (The gate's charge follows ``mapper.held_bytes``, not these.)"""
+        bad = set(quarantined)
+        with self._lock:
+            self._move(quarantined, frm, _QUARANTINED)
+            done = [p for p in pages if p not in bad]
+            self._move(done, frm, _FREE)
+            self._free.extend(done)
+
+    # ------------------------------------------------------------------ the gate's charge
+
+    def _settle_charge_locked(self, *, closing: bool = False) -> bool:
+        """Make the gate's charge what the mapper holds (with its ``fixed_bytes`` until
+        ``closing``): give back what it no longer holds, claim what it holds beyond the
+        charge. ``False`` when the gate refused such growth (the charge stays short by that
+        much). Caller holds ``_mapper_lock``."""
+        held = self._mapper.held_bytes + (0 if closing else self._fixed_bytes)
+        self._pooled = self._mapper.pooled_pages
+        if held < self._charged:
+            self._gate_release(self._charged - held)
+            self._charged = held
+        elif held > self._charged:
+            if not self._gate_acquire(held - self._charged):
+                return False
+            self._charged = held
+        return True
+
+    def _gate_acquire(self, nbytes: int) -> bool:
+        if nbytes <= 0:
+            return True
+        try:
+            return self._gate.try_acquire(nbytes)
+        except BaseException as exc:  # the books can no longer be kept: fail-stop
+            self._fail(f"the memory gate failed to admit {nbytes} bytes: {exc!r}", exc)
+
+    def _gate_release(self, nbytes: int) -> None:
+        try:
+            self._gate.release(nbytes)
+        except BaseException as exc:
+            self._fail(f"the memory gate failed to take back {nbytes} bytes: {exc!r}", exc)
+
+    def _trim_pool_locked(self) -> None:
+        """Release the mapper's pooled handles and settle the charge. A failed release stays
+        held (and charged) and is retried by the mapper later. Caller holds
+        ``_mapper_lock``."""
+        self._count_call(threading.current_thread() is self._thread)
+        try:
+            self._mapper.trim_pool()
+        except VmmError as exc:
+            log.warning("kvcore: releasing pooled handles failed (retried later): %s", exc)
+        except BaseException as exc:
+            self._fail(f"mapper failed while releasing its pool: {exc!r}", exc)
+        finally:
+            self._settle_charge_locked()
+
+    def _settle_unmap_failure(self, pages: list[int], quarantined: Sequence[int]) -> None:
+        """A prepare failed: quarantined pages leave, the rest are still mapped and go back
+        to the reserve; the next unmap waits ``retry_interval``, doubling per further
+        failure."""
+        with self._lock:
+            self._move(quarantined, _UNMAPPING, _QUARANTINED)
+            kept = [p for p in pages if p not in quarantined]
+            self._move(kept, _UNMAPPING, _RESERVED)
+            self._to_reserve(kept)
+            self._unmap_retry_at = time.monotonic() + self._unmap_backoff
+            self._unmap_backoff = min(2 * self._unmap_backoff, 20 * self._retry_interval)
+
+    # ------------------------------------------------------------------ background thread
+
+    def _run(self) -> None:
+        try:
+            while self._round():
+                pass
+        except PoolFailed:
+            pass  # recorded; every caller now sees it
+        except BaseException as exc:  # pragma: no cover - defensive
+            self._fail(f"background thread died: {exc!r}", exc)
+        finally:
+            with self._lock:
+                self._busy = False
+                self._settled.notify_all()
+
+    def _round(self) -> bool:
+        """One round of background work. Returns ``False`` when the thread should stop."""
+        with self._lock:
+            while not self._stop and self._failure is None and not self._has_work_locked():
+                self._busy = False
+                self._settled.notify_all()
+                if not self._wake.wait(self._wait_timeout_locked()):
+                    break  # timed out: poll the gate, report the reserve
+            if self._stop or self._failure is not None:
+                return False
+            self._busy = True
+            self._kick = False
+        pb = self._page_bytes
+        wanted = self._reserve_max + self._pooled  # idle pages: the reserve, then the pool
+        allowed = max(self._gate.reserve_target(wanted * pb) // pb, 0)
+        with self._lock:
+            self._reserve_cap = min(allowed, self._reserve_max)
+            # the pool goes first when the gate cuts the idle memory, and all of it on trim()
+            trim_asked, self._trim_pool = self._trim_pool, False
+            pool_keep = 0 if trim_asked else allowed - self._reserve_cap
+            drop_pool = allowed < wanted
+            unmaps, maps = self._plan_locked()
+        if maps:
+            if self._map(maps, refill=True):
+                with self._lock:
+                    self._move(maps, _MAPPING, _RESERVED)
+                    self._to_reserve(maps)
+                    self._backoff = self._retry_interval
+                    self._batch_limit = min(2 * self._batch_limit, self._refill_batch)
+                    self._settled_background_locked(maps=True)
+            else:  # a miss: wait longer and ask for less next time
+                with self._lock:
+                    self._retry_at = time.monotonic() + self._backoff
+                    self._backoff = min(2 * self._backoff, 20 * self._retry_interval)
+                    self._batch_limit = max(len(maps) // 2, 1)
+                    self._settled_background_locked(maps=True)
+        if unmaps:  # after the refill (module docstring)
+            unmapped = self._unmap(unmaps)
+            with self._lock:
+                if unmapped:
+                    self._unmap_backoff = self._retry_interval
+                self._settled_background_locked(maps=False)
+        if trim_asked or (drop_pool and self._pooled > pool_keep):  # trim: retry releases too
+            with self._mapper_lock:
+                self._trim_pool_locked()
+        with self._lock:
+            reserve_bytes = (len(self._reserve) + self._pooled) * pb
+            self._reserve_dirty = False
+        self._gate.report_reserve(reserve_bytes)
+        with self._lock:
+            self._rounds += 1
+            self._settled.notify_all()
+        return True
+
+    def _settled_background_locked(self, *, maps: bool) -> None:
+        """The background mapper call on ``_bg_maps`` (or ``_bg_unmaps``) is over: its pages
+        are where it left them; wake an ``acquire`` waiting for them. Caller holds
+        ``_lock``."""
+        (self._bg_maps if maps else self._bg_unmaps).clear()
+        self._settled.notify_all()
+
+    def _unmap_pending_locked(self) -> bool:
+        return bool(self._unmap_queue) or len(self._reserve) > self._reserve_cap
+
+    def _has_work_locked(self) -> bool:
+        if self._kick or self._trim_pool:
+            return True
+        if self._unmap_pending_locked() and time.monotonic() >= self._unmap_retry_at:
+            return True
+        return self._refill_deficit_locked() > 0 and not self._refill_blocked_locked()
+
+    def _wait_timeout_locked(self) -> float:
+        now = time.monotonic()
+        wait = self._poll_interval
+        if self._refill_deficit_locked() > 0 and self._free and self._retry_at > now:
+            wait = min(wait, self._retry_at - now)
+        if self._unmap_pending_locked() and self._unmap_retry_at > now:
+            wait = min(wait, self._unmap_retry_at - now)
+        return wait
+
+    def _plan_locked(self) -> tuple[list[int], list[int]]:
+        """Pick this round's unmaps and maps and move their pages into flight."""
+        reserve = self._reserve
+        surplus = len(reserve) - self._reserve_cap
+        unmap_now = time.monotonic() >= self._unmap_retry_at
+        if surplus > 0 and unmap_now:
+            drop = reserve[:surplus]
+            del reserve[:surplus]
+            self._move(drop, _RESERVED, _QUEUED)
+            self._unmap_queue.extend(drop)
+        deficit = self._refill_deficit_locked()
+        queue = self._unmap_queue
+        if deficit and queue:  # take back pages still mapped before mapping new ones
+            k = min(deficit, len(queue))
+            back = queue[len(queue) - k :]
+            del queue[len(queue) - k :]
+            self._move(back, _QUEUED, _RESERVED)
+            self._to_reserve(back)
+            deficit -= k
+        maps: list[int] = []
+        if deficit and not self._refill_blocked_locked():
+            k = min(deficit, len(self._free), self._batch_limit)
+            maps = self._free[len(self._free) - k :]
+            del self._free[len(self._free) - k :]
+            self._move(maps, _FREE, _MAPPING)
+        unmaps: list[int] = []
+        if unmap_now:
+            unmaps = queue[:]
+            queue.clear()
+            self._move(unmaps, _QUEUED, _UNMAPPING)
+        self._bg_maps[:] = maps
+        self._bg_unmaps[:] = unmaps
+        return unmaps, maps
+
+
+_SETTLE_TIMEOUT = 30.0
+"""Seconds an ``acquire`` waits for the background thread's mapper calls at most (one call
+takes milliseconds; a driver that hangs longer turns the wait into a miss)."""
+
+
+def _name(state: int) -> str:
+    return PageState(state).name if state != _RELEASING else "RELEASING"
+
+
+def _named_or_all(named: Sequence[int], pages: Sequence[int]) -> list[int]:
+    """The pages of a call a ``PageQuarantined`` names; all of them when it names none."""
+    inside = set(named) & set(pages)
+    return [p for p in pages if p in inside] if inside else list(pages)
