@@ -401,7 +401,7 @@ class _Instance:
         self.memory: Any = None
         self._ledger: Any = None
         if self.elastic:
-            from kvcore.adapters.vllm import elastic_settings, manager_for
+            from kvcore.adapters.vllm import elastic_settings, memory_for
             from kvcore.budget.ledger import GpuLedger
 
             # the shared ledger: where this instance's held bytes are read (_memory)
@@ -410,7 +410,7 @@ class _Instance:
             # As in a real engine core: the KV memory exists (the worker allocated its
             # buffer) before the scheduler's block pool is built, which takes its ledger.
             gate = self._step_release_gate() if spec.step_release else None
-            self.memory = manager_for(self.kv_config, gate=gate)
+            self.memory = memory_for(self.kv_config, gate=gate)
         self.scheduler = Scheduler(
             vllm_config=config,
             kv_cache_config=self.kv_config,
@@ -432,7 +432,7 @@ class _Instance:
 
     def _step_release_gate(self) -> _StepReleaseGate:
         """``_StepReleaseGate`` over this instance's record in the shared ledger, handed to
-        the adapter through ``manager_for(..., gate=)`` (the adapter's ``gpu_ledger`` option
+        the adapter through ``memory_for(..., gate=)`` (the adapter's ``gpu_ledger`` option
         registers a plain ``LedgerGate``: what ``--async-release`` runs)."""
         import vllm
 

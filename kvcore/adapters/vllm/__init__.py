@@ -23,7 +23,7 @@ from kvcore.adapters.vllm.runtime import (
     elastic_block_pool_class,
     elastic_kv_buffer,
     elastic_settings,
-    manager_for,
+    memory_for,
 )
 from kvcore.adapters.vllm.warmup import warmup_blocks
 
@@ -34,6 +34,6 @@ __all__ = [
     "elastic_kv_buffer",
     "elastic_kv_cache_layouts",
     "elastic_settings",
-    "manager_for",
+    "memory_for",
     "warmup_blocks",
 ]

@@ -64,14 +64,14 @@ __all__ = [
     "elastic_kv_buffer",
     "elastic_settings",
     "existing_memory",
-    "manager_for",
+    "memory_for",
     "release_kv_memory",
 ]
 
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_managers: dict[tuple[int, int], ElasticKVMemory] = {}  # KV buffers made in this process
+_memories: dict[tuple[int, int], ElasticKVMemory] = {}  # KV buffers made in this process
 _claimed: set[tuple[int, int]] = set()  # ... whose ledger a block pool took
 
 RELEASE_FENCE = "release_fence"
@@ -135,7 +135,7 @@ def elastic_kv_buffer(kv_cache_config: Any, device: torch.device, nbytes: int) -
         )
     if parallel_settings(kv_cache_config.kvcore) is not None:  # one rank of TP x PP
         return worker_buffer(kv_cache_config, device_index=_device_index(device))
-    return manager_for(kv_cache_config, device_index=_device_index(device)).buffer()
+    return memory_for(kv_cache_config, device_index=_device_index(device)).buffer()
 
 
 def elastic_block_pool_class(kv_cache_config: Any) -> Any:
@@ -147,11 +147,11 @@ def elastic_block_pool_class(kv_cache_config: Any) -> Any:
 
     key = _key(kv_cache_config)
     with _lock:
-        manager = _live(key)
-        shared = manager is not None and key not in _claimed
+        local = _live(key)
+        shared = local is not None and key not in _claimed
         if shared:
             _claimed.add(key)
-    memory: ElasticKVMemory | ChannelKVMemory | None = manager
+    memory: ElasticKVMemory | ChannelKVMemory | None = local
     if not shared and parallel_settings(kv_cache_config.kvcore) is not None:
         memory = engine_memory(kv_cache_config)  # TP x PP: the ranks' workers hold the pages
     elif not shared:
@@ -176,7 +176,7 @@ def elastic_block_pool_class(kv_cache_config: Any) -> Any:
     return functools.wraps(ElasticBlockPool)(build)
 
 
-def manager_for(
+def memory_for(
     kv_cache_config: Any,
     *,
     device_index: int = 0,
@@ -194,63 +194,63 @@ def manager_for(
     is given but the memory already exists (they cannot change any more)."""
     key = _key(kv_cache_config)
     with _lock:
-        manager = _live(key)
-        if manager is None:
-            manager = _managers[key] = _make(kv_cache_config, device_index, gate, backend)
-            manager.on_close(functools.partial(_forget, key, manager))
-        elif (gate is not None and manager.gate is not gate) or (
-            backend is not None and manager.backend is not backend
+        memory = _live(key)
+        if memory is None:
+            memory = _memories[key] = _make(kv_cache_config, device_index, gate, backend)
+            memory.on_close(functools.partial(_forget, key, memory))
+        elif (gate is not None and memory.gate is not gate) or (
+            backend is not None and memory.backend is not backend
         ):
             raise KvcoreError(
                 f"elastic KV: the memory of {key[0]} blocks of {key[1]} bytes already exists "
                 "with its own memory gate and backend",
-                hint="pass gate=/backend= on the first manager_for call, before the scheduler "
+                hint="pass gate=/backend= on the first memory_for call, before the scheduler "
                 "is built",
             )
-    return manager
+    return memory
 
 
 def existing_memory(kv_cache_config: Any) -> ElasticKVMemory | None:
     """This process's open kvcore memory for ``kv_cache_config``'s KV buffer, or ``None``
-    when none was made here (or it was closed); never makes one (``manager_for`` does)."""
+    when none was made here (or it was closed); never makes one (``memory_for`` does)."""
     with _lock:
         return _live(_key(kv_cache_config))
 
 
 def release_kv_memory() -> None:
     """Close every KV memory this process made through ``elastic_kv_buffer`` /
-    ``manager_for``: every page unmapped, the range freed, the per-GPU ledger record removed
+    ``memory_for``: every page unmapped, the range freed, the per-GPU ledger record removed
     (``ElasticKVMemory.close``). Called by the patched ``Worker.shutdown``; also runs at
     interpreter exit. A failure is logged with its hint and the next memory is still closed:
     this never raises, so vLLM's own teardown after it always runs."""
     with _lock:
-        managers = list(_managers.values())
-    for manager in managers:
-        _close_quietly(manager)
+        memories = list(_memories.values())
+    for memory in memories:
+        _close_quietly(memory)
     release_worker_memory()  # a TP x PP rank's buffer (parallel.py)
 
 
 def _live(key: tuple[int, int]) -> ElasticKVMemory | None:
     """The registered memory for ``key``, dropping a closed one. Caller holds ``_lock``."""
-    manager = _managers.get(key)
-    if manager is not None and manager.closed:
-        del _managers[key]
+    memory = _memories.get(key)
+    if memory is not None and memory.closed:
+        del _memories[key]
         _claimed.discard(key)
         return None
-    return manager
+    return memory
 
 
-def _forget(key: tuple[int, int], manager: ElasticKVMemory) -> None:
-    """``manager`` is closing: the registry no longer hands it out."""
+def _forget(key: tuple[int, int], memory: ElasticKVMemory) -> None:
+    """``memory`` is closing: the registry no longer hands it out."""
     with _lock:
-        if _managers.get(key) is manager:
-            del _managers[key]
+        if _memories.get(key) is memory:
+            del _memories[key]
             _claimed.discard(key)
 
 
-def _close_quietly(manager: ElasticKVMemory | ChannelKVMemory) -> None:
+def _close_quietly(memory: ElasticKVMemory | ChannelKVMemory) -> None:
     try:
-        manager.close()
+        memory.close()
     except KvcoreError as exc:
         log.error("kvcore: %s (%s)", exc, getattr(exc, "hint", ""))
     except Exception:

@@ -52,7 +52,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from kvcore.adapters.vllm import elastic_settings, manager_for
+from kvcore.adapters.vllm import elastic_settings, memory_for
 from kvcore.adapters.vllm.memory import ElasticKVMemory
 from kvcore.adapters.vllm.pool import ElasticBlockPool
 
@@ -122,7 +122,7 @@ class Engine:
         # the worker: vLLM's views over kvcore's buffer
         self.views = allocate_kv_cache(self.kv, torch.device("cpu"), KVCacheLayout[layout])
         if elastic:
-            self.memory: ElasticKVMemory = manager_for(self.kv)
+            self.memory: ElasticKVMemory = memory_for(self.kv)
             _engines.append(self)  # closed after the test even if the scheduler fails to build
         cache.num_gpu_blocks = self.kv.num_blocks
         block, hash_block = resolve_kv_cache_block_sizes(self.kv, self.vllm_config)

@@ -36,7 +36,7 @@ from kvcore.adapters.vllm.pool import ElasticBlockPool
 from kvcore.adapters.vllm.profiling import elastic_request_memory, plan_memory
 from kvcore.adapters.vllm.runtime import (
     elastic_settings,
-    manager_for,
+    memory_for,
     release_kv_memory,
 )
 from kvcore.budget.ledger import GpuLedger
@@ -159,15 +159,15 @@ def _clean() -> Iterator[None]:
 def test_a_closed_memory_is_never_handed_out_again() -> None:
     config = _vllm_config(async_scheduling=False)
     kv = _elastic(config, 4 * BPP)
-    first = manager_for(kv)
-    assert manager_for(kv) is first
+    first = memory_for(kv)
+    assert memory_for(kv) is first
     first.close()
-    second = manager_for(kv)
+    second = memory_for(kv)
     assert second is not first and not second.closed
     # closing through the registry (the worker's shutdown) forgets it too
     release_kv_memory()
     assert second.closed
-    third = manager_for(kv)
+    third = memory_for(kv)
     assert third is not second and not third.closed
     # a block pool built after the close takes the live memory, not a closed one
     scheduler = _scheduler(config, kv)
@@ -184,7 +184,7 @@ def _ledger_kv(
     config = _vllm_config(async_scheduling=False)
     kv = _elastic(config, 8 * BPP, gpu_ledger=True)
     backend = FaultInjector(open_backend("host", 0, granularity=GRAN, device_bytes=64 * MIB))
-    memory = manager_for(kv, backend=backend)  # the worker side, as in an engine core
+    memory = memory_for(kv, backend=backend)  # the worker side, as in an engine core
     return config, kv, backend, memory
 
 
@@ -231,7 +231,7 @@ def test_a_failing_unmap_at_shutdown_still_releases_the_rest(
     assert name not in _records(tmp_path, uuid)  # the ledger record went anyway
     assert backend.mapped_ranges() == [] and not backend.live_handles  # the mapper's close
     scheduler.shutdown()  # the scheduler's seam after it: the memory is closed already
-    assert manager_for(kv) is not memory  # never handed out again
+    assert memory_for(kv) is not memory  # never handed out again
 
 
 def test_close_raises_after_releasing_everything_else(
@@ -317,7 +317,7 @@ def test_a_second_instance_plans_with_its_logical_capacity(
         gpu_ledger=True,
     )
     backend1 = open_backend("host", 0, granularity=gran, device_bytes=device_bytes)
-    first = manager_for(kv1, backend=backend1)
+    first = memory_for(kv1, backend=backend1)
     held = int(device_bytes * 0.6) // gran
     assert first.pages is not None and first.pages.acquire(held) is not None
 
@@ -350,6 +350,6 @@ def test_a_second_instance_plans_with_its_logical_capacity(
     # and the second instance does start: its own memory registers in the same ledger
     kv2 = _kv_config(16 * (gran // SPEC.page_size_bytes))
     kv2.kvcore = kv1.kvcore
-    second = manager_for(kv2)
+    second = memory_for(kv2)
     assert not second.closed
     assert len(_records(tmp_path, backend1.device_uuid())) == 2

@@ -32,7 +32,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvcore.adapters.vllm import elastic_kv_buffer, elastic_settings, manager_for
+from kvcore.adapters.vllm import elastic_kv_buffer, elastic_settings, memory_for
 from kvcore.adapters.vllm.pool import ElasticBlockPool
 from kvcore.budget.gate import BudgetGate, MemoryGate
 from kvcore.errors import GeometryError, KvcoreError, UnsupportedConfiguration
@@ -90,7 +90,7 @@ def make_scheduler(
     cache.num_gpu_blocks = num_blocks
     register_all_kvcache_specs(vllm_config)
     if gate is not None:  # the worker side first, as in an engine core: the pool shares it
-        manager_for(kv, gate=gate)
+        memory_for(kv, gate=gate)
     return Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv,
@@ -247,7 +247,7 @@ def test_kv_buffer_has_a_stable_address_and_backs_allocated_blocks() -> None:
     ptr = buf.data_ptr()
     assert buf.numel() == 4 * BPP * BLOCK_BYTES
     assert int(buf[-BLOCK_BYTES:].abs().sum()) == 0  # unbacked: the zero page
-    ledger = manager_for(kv).ledger
+    ledger = memory_for(kv).ledger
     ids = ledger.alloc(2 * BPP)
     assert ids is not None
     for b in ids:
@@ -255,7 +255,7 @@ def test_kv_buffer_has_a_stable_address_and_backs_allocated_blocks() -> None:
     assert buf.data_ptr() == ptr
     assert int(buf[ids[0] * BLOCK_BYTES]) == 3
     ledger.free(ids)
-    manager_for(kv).close()
+    memory_for(kv).close()
 
 
 class _ClosingBudgetGate(BudgetGate):
@@ -272,7 +272,7 @@ def test_a_given_gate_is_charged_and_bounds_the_scheduler() -> None:
     gate = _ClosingBudgetGate(limit_pages * GRAN)
     scheduler = make_scheduler(6 * BPP, gate=gate)
     pool = pool_of(scheduler)
-    memory = manager_for(scheduler.kv_cache_config)
+    memory = memory_for(scheduler.kv_cache_config)
     assert pool.ledger is memory.ledger  # the pool took the memory made with the gate
     assert gate.held == memory.stats().charged_bytes > 0  # the null block's page
     # 4 requests of 2 blocks each want more pages than the gate admits: they wait, then finish
@@ -297,10 +297,10 @@ def test_a_gate_given_for_existing_memory_or_a_failed_start_is_refused() -> None
         num_blocks=7 * BPP, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], SPEC)]
     )
     kv.kvcore = _settings()
-    memory = manager_for(kv)
+    memory = memory_for(kv)
     with pytest.raises(KvcoreError, match="already exists"):
-        manager_for(kv, gate=_ClosingBudgetGate(GRAN))
-    assert manager_for(kv, gate=memory.gate) is memory  # its own gate again: no conflict
+        memory_for(kv, gate=_ClosingBudgetGate(GRAN))
+    assert memory_for(kv, gate=memory.gate) is memory  # its own gate again: no conflict
     memory.close()
     bad = KVCacheConfig(
         num_blocks=5 * BPP, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], SPEC)]
@@ -308,7 +308,7 @@ def test_a_gate_given_for_existing_memory_or_a_failed_start_is_refused() -> None
     bad.kvcore = _settings(page_bytes=GRAN + BLOCK_BYTES // 2)  # not whole blocks per page
     gate = _ClosingBudgetGate(GRAN)
     with pytest.raises(GeometryError):
-        manager_for(bad, gate=gate)
+        memory_for(bad, gate=gate)
     assert gate.closed  # taken over even when the start fails
 
 

@@ -4,7 +4,7 @@ The warm-up code is the release's own: ``vllm.v1.worker.gpu.warmup._warmup_kerne
 runner's scheduler-realistic prefill and decode steps) and ``run_mixed_prefill_decode_warmup``
 (``kernel_warmup``'s mixed step) hand-build ``SchedulerOutput``s with block ids 1, 2, 3, ...
 and pass them to the worker's ``execute_model``. The KV cache config is a real vLLM
-``KVCacheConfig`` whose elastic memory is made through kvcore's own path (``manager_for``, as
+``KVCacheConfig`` whose elastic memory is made through kvcore's own path (``memory_for``, as
 the worker's ``allocate_kv_cache`` does) on the host backend, where a store to an unbacked page
 faults as on a GPU.
 
@@ -47,7 +47,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
-from kvcore.adapters.vllm import manager_for, warmup_blocks  # noqa: E402
+from kvcore.adapters.vllm import memory_for, warmup_blocks  # noqa: E402
 from kvcore.adapters.vllm.memory import ElasticKVMemory  # noqa: E402
 from kvcore.adapters.vllm.runtime import existing_memory, release_kv_memory  # noqa: E402
 from kvcore.errors import KvcoreError  # noqa: E402
@@ -205,7 +205,7 @@ def test_warm_up_batches_carry_only_blocks_of_the_null_blocks_mapped_page(
     specs: tuple[KVCacheSpec, ...], spec_steps: int
 ) -> None:
     kv = _kv_config(*specs)
-    memory = manager_for(kv)  # the worker's allocate_kv_cache: block 0 reserved, page 0 mapped
+    memory = memory_for(kv)  # the worker's allocate_kv_cache: block 0 reserved, page 0 mapped
     geometry = memory.geometry
     null_page = geometry.page_of(0)
     assert geometry.blocks_per_page == 8
@@ -255,7 +255,7 @@ def test_the_workers_own_execute_model_is_back_when_the_warm_up_raises() -> None
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     kv = _kv_config(FULL)
-    memory = manager_for(kv)
+    memory = memory_for(kv)
     worker = Failing(_runner(kv))
     with pytest.raises(RuntimeError, match="illegal memory access"), warmup_blocks(worker):
         _drive(worker)
@@ -278,7 +278,7 @@ def test_the_workers_own_execute_model_is_back_when_the_warm_up_raises() -> None
 
 def test_a_null_page_holding_only_the_null_block_folds_every_id_to_it() -> None:
     kv = _kv_config(WIDE)
-    memory = manager_for(kv)
+    memory = memory_for(kv)
     assert memory.geometry.blocks_per_page == 1  # a 4 KiB block on a 4 KiB page
 
     plain = _Worker(_runner(kv))
@@ -296,7 +296,7 @@ def test_a_null_page_holding_only_the_null_block_folds_every_id_to_it() -> None:
 
 def test_free_blocks_of_the_null_page_are_used_round_robin_never_an_allocated_one() -> None:
     kv = _kv_config(FULL, SWA)
-    memory: ElasticKVMemory = manager_for(kv)
+    memory: ElasticKVMemory = memory_for(kv)
     geometry = memory.geometry
     taken = memory.ledger.alloc(1)
     assert taken is not None
@@ -334,7 +334,7 @@ def test_a_kv_cache_kvcore_never_allocated_is_refused() -> None:
     assert _own_method_is_back(worker)
     assert existing_memory(kv) is None  # and it made none
 
-    manager_for(kv).close()  # a closed memory is no memory either
+    memory_for(kv).close()  # a closed memory is no memory either
     with pytest.raises(KvcoreError, match="did not allocate"), warmup_blocks(worker):
         pytest.fail("the scope must not start")
     assert _own_method_is_back(worker) and worker.batches == []
@@ -360,7 +360,7 @@ def test_the_patched_compile_or_warm_up_model_warms_up_inside_the_scope(elastic:
             return "compilation times"
 
     kv = _kv_config(FULL)
-    memory = manager_for(kv)
+    memory = memory_for(kv)
     plain = _Worker(_runner(kv))
     warmup.warmup_kernels(plain.model_runner, plain.execute_model, plain.sample_tokens)
     seam = Seam(_runner(kv))
