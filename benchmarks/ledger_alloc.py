@@ -12,7 +12,7 @@ block pool: pop 16 ids, push them back) gives the ratio, so the figure carries o
 machines. Each geometry is a different blocks-per-page count: 16 (one page per alloc(16)),
 64 (a page every fourth call) and 4 (four pages per call; large compound-layout models).
 
-    PYTHONPATH=. python benchmarks/ledger_alloc.py [--repeats 15] [--iters 2000] [--json F]
+    python -m benchmarks.ledger_alloc [--repeats 15] [--iters 2000] [--json F]
 
 Numbers are medians over ``--repeats`` timed runs of ``--iters`` alloc(16)+free cycles each,
 after a warm-up run. ``--batch N`` allocates and frees N blocks per call instead (an SGLang
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     result = {
         "benchmark": "ledger_alloc",
-        "command": "python benchmarks/ledger_alloc.py " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m benchmarks.ledger_alloc " + " ".join(argv or sys.argv[1:]),
         "commit": _commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {platform.machine()} {platform.processor()} "

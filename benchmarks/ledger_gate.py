@@ -2,7 +2,7 @@
 
 ``try_acquire`` runs under an exclusive ``flock`` on the ledger file before every page map
 (on the reserve-refill thread, or the scheduler thread on a reserve miss), so its cost must
-stay small next to a map (on an H200 ~60 us per 2 MiB page: create + map + set-access).
+stay small next to a map (create + map + set-access; its cost is in docs/benchmarks.md).
 Side by side in one run:
 
 * ``UnlimitedGate`` / ``BudgetGate`` (a thread lock and an add): the floor;
@@ -12,7 +12,7 @@ Side by side in one run:
 * a refused ``try_acquire`` (over the limit), ``reserve_target`` / ``report_reserve``, and
   the floor: one ``flock`` lock + unlock pair on the ledger file.
 
-    PYTHONPATH=. python benchmarks/ledger_gate.py [--repeats 15] [--iters 5000] [--json F]
+    python -m benchmarks.ledger_gate [--repeats 15] [--iters 5000] [--json F]
 
 Each figure is the median over ``--repeats`` runs of ``--iters`` calls, after a warm-up run,
 in microseconds per call: thread CPU time (robust on a shared machine) and wall time.
@@ -36,7 +36,9 @@ from rich.console import Console
 from rich.table import Table
 
 from kvcore.budget.gate import BudgetGate, UnlimitedGate
-from kvcore.budget.ledger import DIR_ENV, GpuLedger, LedgerGate
+from kvcore.budget.ledger import GpuLedger
+from kvcore.budget.ledger_file import DIR_ENV
+from kvcore.budget.ledger_gate import LedgerGate
 
 UUID = "GPU-bench-ledger-gate"
 GiB = 1 << 30

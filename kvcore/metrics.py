@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcore.budget.ledger import GpuLedger, InstanceRecord, list_ledgers
+from kvcore.budget.ledger import GpuLedger
+from kvcore.budget.ledger_file import InstanceRecord, list_ledgers
 from kvcore.errors import LedgerError
 
 PORT_ENV = "KVCORE_METRICS_PORT"

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvcore.budget.ledger import GpuLedger, LedgerGate
+from kvcore.budget.ledger import GpuLedger
+from kvcore.budget.ledger_gate import LedgerGate
 from kvcore.vmm.base import Handle
 from kvcore.vmm.host import HostBackend
 
@@ -147,7 +148,7 @@ def kvctl_limits(name: str, sizes: list[str], results: Any, start: Any) -> None:
 
 
 def _only_ledger() -> Any:
-    from kvcore.budget.ledger import list_ledgers
+    from kvcore.budget.ledger_file import list_ledgers
 
     (path,) = list_ledgers()
     return path

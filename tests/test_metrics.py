@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-import kvcore.budget.ledger as gpu_ledger
-from kvcore.budget.ledger import GpuLedger, LedgerGate
+from kvcore.budget.ledger import GpuLedger
+from kvcore.budget.ledger_file import DIR_ENV
+from kvcore.budget.ledger_gate import LedgerGate
 from kvcore.metrics import (
     MULTIPROC_ENV,
     PORT_ENV,
@@ -35,7 +36,7 @@ LABELS = 'device="GPU-m",engine="vllm",instance="a"'
 
 @pytest.fixture(autouse=True)
 def ledger_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv(gpu_ledger.DIR_ENV, str(tmp_path / "ledgers"))
+    monkeypatch.setenv(DIR_ENV, str(tmp_path / "ledgers"))
     (tmp_path / "ledgers").mkdir()
     monkeypatch.delenv(PORT_ENV, raising=False)
     monkeypatch.delenv(MULTIPROC_ENV, raising=False)
@@ -103,7 +104,8 @@ def test_ledger_collector_reads_every_gpu() -> None:
 _CHILD = textwrap.dedent(
     """
     import json, sys, time
-    from kvcore.budget.ledger import GpuLedger, LedgerGate
+    from kvcore.budget.ledger import GpuLedger
+    from kvcore.budget.ledger_gate import LedgerGate
     from kvcore.metrics import metrics_hook
     led = GpuLedger.open("GPU-m", device_total=100 << 20)
     hook = metrics_hook("GPU-m")

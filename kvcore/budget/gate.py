@@ -1,10 +1,11 @@
 """The memory gate: who may take more physical memory, and how much is held.
 
 A page allocator calls its ``MemoryGate`` *before* it maps pages (``try_acquire``) and after
-it gives pages back (``release``), and reports its reserve. The per-GPU shared ledger
-(``kvcore.budget.ledger``) implements the gate for instances sharing one GPU: the instance
-limit, the GPU-wide budget and the bytes other instances hold. ``UnlimitedGate`` is the gate
-of a lone process with no ledger.
+it gives pages back (``release``), and reports its reserve. ``LedgerGate``
+(``kvcore.budget.ledger_gate``, on the per-GPU shared ledger) implements the gate for
+instances sharing one GPU: the instance limit, the GPU-wide budget and the bytes other
+instances hold. ``UnlimitedGate`` is the gate of a lone process with no ledger,
+``BudgetGate`` the gate of one with a fixed cap.
 
 Gate calls are made off the scheduler's hot path where possible (the reserve refill thread);
 ``try_acquire`` must be cheap and must never block for long.

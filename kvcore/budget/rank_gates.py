@@ -5,14 +5,13 @@ The engine core's page allocator decides for every rank, but each rank's pages l
 GPU, and another engine sharing that GPU reads that GPU's ledger (``kvcore.budget.ledger``). So
 ``--kvcore-config '{"gpu_ledger": true}'`` with TP x PP > 1 registers one record per rank, named
 ``<instance>-rank<r>``, in the ledger of the rank's device, and charges each of them what the
-rank holds. Ranks hold the same bytes per page (``parallel.py`` refuses ranks whose pages differ),
-so a charge of ``n`` bytes is ``n`` on every rank's record; ranks sharing one GPU are two records
-in the same ledger, which then counts both.
+rank holds. Ranks hold the same bytes per page (``kvcore.adapters.vllm.parallel`` refuses ranks
+whose pages differ), so a charge of ``n`` bytes is ``n`` on every rank's record; ranks sharing
+one GPU are two records in the same ledger, which then counts both.
 
 * ``publish_device(channel_dir, rank, backend)``: a worker writes ``rank-<r>.device.json``
   (its device's UUID, index and total bytes; 0600, atomically) into the engine's 0700 channel
-  directory before it serves its socket. (The channel's handshake carries no device id; this
-  file is the one addition.)
+  directory before it serves its socket (the channel's handshake carries no device id).
 * ``RankLedgerGates.open(channel_dir, world_size, ...)``: the engine core reads every rank's
   file and registers the records; a ``MemoryGate`` that admits ``n`` bytes only when every
   rank's record admits them (the ones already charged are released on a refusal).
@@ -23,11 +22,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvcore.budget.ledger import GpuLedger, LedgerGate
+from kvcore.budget.ledger import GpuLedger
+from kvcore.budget.ledger_gate import LedgerGate
 from kvcore.errors import ChannelError, KvcoreError
-from kvcore.vmm.base import VmmBackend
+
+if TYPE_CHECKING:
+    from kvcore.vmm.base import VmmBackend
 
 __all__ = ["RankLedgerGates", "device_file", "publish_device"]
 
@@ -116,6 +118,9 @@ class RankLedgerGates:
         return cls(gates, ledgers)
 
     def try_acquire(self, nbytes: int) -> bool:
+        """Claim ``nbytes`` on every rank's record, or on none: ``False`` when one refuses
+        (the ranks charged before it are released again). Raises as
+        ``LedgerGate.try_acquire``."""
         taken: list[LedgerGate] = []
         try:
             for gate in self.gates:
@@ -136,13 +141,16 @@ class RankLedgerGates:
             gate.release(nbytes)
 
     def release(self, nbytes: int) -> None:
+        """Give back ``nbytes`` on every rank's record. Raises as ``LedgerGate.release``."""
         self._release(self.gates, nbytes)
 
     def report_reserve(self, nbytes: int) -> None:
+        """Record ``nbytes`` of idle reserve on every rank's record."""
         for gate in self.gates:
             gate.report_reserve(nbytes)
 
     def reserve_target(self, wanted: int) -> int:
+        """The least reserve any rank's record allows (at most ``wanted``)."""
         return min((gate.reserve_target(wanted) for gate in self.gates), default=wanted)
 
     def close(self) -> None:

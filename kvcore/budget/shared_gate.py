@@ -74,8 +74,11 @@ class SharedGate:
 
 
 class GateShare:
-    """One manager's view of a ``SharedGate`` (a ``MemoryGate``). ``close`` leaves the
-    shared gate (idempotent); the last share to leave closes it."""
+    """One manager's view of a ``SharedGate`` (a ``MemoryGate``). ``try_acquire``,
+    ``release``, ``reserve_target`` and ``headroom`` forward to the shared gate (raising what
+    it raises) and raise ``KvcoreError`` once it closed; ``report_reserve`` reports this
+    share's reserve. ``close`` leaves the shared gate (idempotent); the last share to leave
+    closes it."""
 
     def __init__(self, owner: SharedGate, key: int) -> None:
         self._owner = owner

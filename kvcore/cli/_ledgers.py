@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvcore.budget.ledger import DIR_ENV, GpuLedger, InstanceRecord, ledger_dir, list_ledgers
+from kvcore.budget.ledger import GpuLedger
+from kvcore.budget.ledger_file import DIR_ENV, InstanceRecord, ledger_dir, list_ledgers
 from kvcore.errors import LedgerError, LedgerNotFound
 
 

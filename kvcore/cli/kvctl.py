@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from kvcore.budget.ledger import GpuLedger, InstanceRecord, LedgerSnapshot, Liveness
+from kvcore.budget.ledger import GpuLedger
+from kvcore.budget.ledger_file import InstanceRecord, LedgerSnapshot, Liveness
 from kvcore.cli._ledgers import Opened, open_ledgers
 from kvcore.cli.display import printable
 from kvcore.cli.sizes import ACCEPTED, SizeError, format_bytes, parse_size

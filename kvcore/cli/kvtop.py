@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from kvcore.budget.ledger import LedgerSnapshot, Liveness
+from kvcore.budget.ledger_file import LedgerSnapshot, Liveness
 from kvcore.cli._ledgers import Opened, open_ledgers
 from kvcore.cli.display import printable
 from kvcore.cli.sizes import format_bytes

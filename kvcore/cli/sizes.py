@@ -26,7 +26,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 
 MAX_SIZE = 1 << 56
-"""The largest size accepted (the per-GPU ledger's ``MAX_BYTES``)."""
+"""The largest size accepted (``kvcore.budget.ledger_file.MAX_BYTES``)."""
 
 
 class SizeError(ValueError):

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-import kvcore.budget.ledger as gpu_ledger
 from kvcore.budget.ledger import process_start_time
+from kvcore.budget.ledger_file import DIR_ENV
 from tests.ledger_procs import kill, spawn_holder
 
 
 @pytest.fixture(autouse=True)
 def ledger_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv(gpu_ledger.DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(DIR_ENV, str(tmp_path))
     monkeypatch.setenv("COLUMNS", "200")
     return tmp_path
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcore.budget.ledger import GpuLedger, list_ledgers
+from kvcore.budget.ledger import GpuLedger
+from kvcore.budget.ledger_file import list_ledgers
 from kvcore.cli import kvctl
 from kvcore.cli.sizes import ACCEPTED
 from tests.cli.conftest import Spawn, wait_dead
@@ -288,15 +289,15 @@ def test_names_from_the_file_reach_the_terminal_as_text(
     capsys: pytest.CaptureFixture[str], instance: Spawn
 ) -> None:
     """A hostile ledger file: a name with a terminal escape and rich markup, a NaN time."""
-    from kvcore.budget.ledger import _RECORD, _base
+    from kvcore.budget.ledger_file import RECORD, record_offset
 
     instance("llama-a", MiB)
     with only_ledger() as led:
         rec = led.snapshot().find("llama-a")
         assert rec is not None
-        with led._locked(exclusive=True) as buf:
-            _RECORD.put(buf, _base(rec.slot), "name", b"\x1b[2Jx[bold]y")
-            _RECORD.put(buf, _base(rec.slot), "updated", float("nan"))
+        with led.locked(exclusive=True) as buf:
+            RECORD.put(buf, record_offset(rec.slot), "name", b"\x1b[2Jx[bold]y")
+            RECORD.put(buf, record_offset(rec.slot), "updated", float("nan"))
     code, out, _ = run(capsys, "list")
     assert code == 0 and "\x1b" not in out and "\\x1b[2Jx[bold]y" in out
     code, out, _ = run(capsys, "list", "--json")

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kvcore.budget.ledger import GpuLedger, InstanceRecord, LedgerSnapshot, list_ledgers
+from kvcore.budget.ledger import GpuLedger
+from kvcore.budget.ledger_file import InstanceRecord, LedgerSnapshot, list_ledgers
 from kvcore.cli import kvtop
 from tests.cli.conftest import Spawn, wait_dead
 from tests.ledger_procs import ROOT
