@@ -55,8 +55,9 @@ class InjectedFault(VmmError):
 
 
 class PoolFailed(KvcoreError):
-    """The pool saw an inconsistent state and stopped (fail-stop): every later call raises
-    this. Restart the engine; the per-GPU ledger reclaims what this instance held."""
+    """The page allocator (or the page mapper under it) saw an inconsistent state and
+    stopped (fail-stop), or was closed: every later call raises this. Restart the engine;
+    the per-GPU ledger reclaims what this instance held."""
 
 
 class PageQuarantined(KvcoreError):

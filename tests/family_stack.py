@@ -3,6 +3,10 @@
 ``BlockLedger`` for every cache group; plus write/read helpers that check views against the
 raw bytes of the virtual ranges. Used by ``tests/memory/test_families.py`` and the vLLM spec tests
 under ``tests/engines/vllm/``.
+
+The allocator runs without its background thread (``background=False``, a ``FakeClock``):
+``Stack.mapped()`` runs the pending rounds (``flush``) before it looks, so what is mapped
+never depends on when a thread got to run.
 """
 
 from __future__ import annotations
@@ -18,10 +22,10 @@ from kvcore.memory.families import FamilyLayout
 from kvcore.memory.local_mapper import LocalPageMapper
 from kvcore.memory.pages import PageAllocator
 from kvcore.memory.virtual_cache import VirtualKVCache
-from kvcore.vmm import open_backend
+from kvcore.vmm import VmmBackend, open_backend
 from kvcore.vmm.faults import FaultInjector
 from kvcore.vmm.host import HostBackend
-from tests.memstack import MemStack
+from tests.memstack import FakeClock, MemStack
 
 MiB = 1 << 20
 HOST_GRANULARITY = 64 << 10
@@ -46,6 +50,7 @@ class Stack:
         return self.mem.vmm.as_tensor(va, size, torch.uint8).cpu()
 
     def mapped(self) -> set[int]:
+        """The pages mapped once the pending background rounds have run."""
         assert self.mem.pages.flush()
         return self.mem.mapped_pages()
 
@@ -66,6 +71,7 @@ def granularity(backend: str) -> int:
 def open_stack(backend: str, layout: FamilyLayout, gate: MemoryGate | None = None) -> Stack:
     """A fresh stack on ``layout.geometry``; ``gate`` admits its page memory (default: none)."""
     gran = layout.geometry.granularity
+    inner: VmmBackend
     if backend == "host":
         handles = layout.geometry.num_pages * layout.geometry.handles_per_page + 1
         inner = HostBackend(device_bytes=handles * layout.geometry.page_bytes, granularity=gran)
@@ -74,8 +80,9 @@ def open_stack(backend: str, layout: FamilyLayout, gate: MemoryGate | None = Non
     vmm = FaultInjector(inner)
     cache = VirtualKVCache(vmm, layout.geometry)
     mapper = LocalPageMapper(cache, pool_pages=0)  # unmapped pages release their memory
-    pages = PageAllocator(mapper, gate, retry_interval=0.01)
-    mem = MemStack(vmm, layout.geometry, cache, mapper, pages)
+    clock = FakeClock()
+    pages = PageAllocator(mapper, gate, retry_interval=0.01, clock=clock, background=False)
+    mem = MemStack(vmm, layout.geometry, cache, mapper, pages, clock=clock)
     return Stack(mem, layout, BlockLedger(layout.geometry, pages))
 
 

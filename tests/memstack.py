@@ -2,14 +2,20 @@
 
 backend wrapped in a ``FaultInjector`` -> ``VirtualKVCache`` -> ``LocalPageMapper`` ->
 ``PageAllocator`` (-> ``BlockLedger``). On ``host`` pages are small (64 KiB granularity) and
-the device size is set per test, so tests can exhaust it; on ``cuda`` (``gpu``-marked, run
-by the lead on the H200) pages are the driver's granularity and device exhaustion tests
-stay host-only.
+the device size is set per test, so tests can exhaust it; on ``cuda`` (``gpu``-marked) pages
+are the driver's granularity and device exhaustion tests stay host-only.
+
+``build_stack(background=False)`` builds the allocator without its thread and with a
+``FakeClock``: the test runs the background rounds (``pages.run_round()``, ``pages.flush()``)
+and moves the clock past a back-off (``stack.clock.advance``), so nothing waits on real time.
+Tests about the thread itself keep ``background=True`` and wait on events and conditions.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,7 +29,7 @@ from kvcore.memory.blocks import BlockLedger
 from kvcore.memory.geometry import KVGeometry, Layout
 from kvcore.memory.local_mapper import LocalPageMapper
 from kvcore.memory.mapper import MappingState as MapperState
-from kvcore.memory.pages import PageAllocator
+from kvcore.memory.pages import BACKGROUND_THREAD_NAME, WAIT_LOG_TEXT, PageAllocator
 from kvcore.memory.virtual_cache import VirtualKVCache
 from kvcore.vmm import VmmBackend, open_backend
 from kvcore.vmm.faults import FaultInjector
@@ -37,6 +43,50 @@ BACKENDS = [
     pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
 ]
 """Parametrize a test over these to run it on every backend."""
+
+
+WAIT_TIMEOUT = 30.0
+"""Seconds a test waits for an event at most: a bound that only a hung test reaches."""
+
+
+class FakeClock:
+    """A ``PageAllocator(clock=...)`` that moves only when the test says (``advance``)."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class _WaitListener(logging.Handler):
+    """Sets ``event`` when ``thread`` logs that it waits for pages in flight
+    (``kvcore.memory.pages.WAIT_LOG_TEXT``)."""
+
+    def __init__(self, event: threading.Event) -> None:
+        super().__init__(logging.DEBUG)
+        self.event = event
+        self.thread: threading.Thread | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if threading.current_thread() is self.thread and WAIT_LOG_TEXT in record.getMessage():
+            self.event.set()
+
+
+@contextmanager
+def _listening(handler: logging.Handler) -> Iterator[None]:
+    logger = logging.getLogger(PageAllocator.__module__)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 class PageThreadHold:
@@ -58,22 +108,34 @@ class PageThreadHold:
         self, fn: Callable[[], Any], *, started: Callable[[list[Any]], None] | None = None
     ) -> Any:
         """``fn()`` on another thread while the page thread is held; the hold is lifted
-        only if ``fn`` is still waiting for it after a while (so a call that gives up on
-        pages in flight is seen to return at once). ``started(results)`` runs once ``fn``'s
-        thread is going. Returns what ``fn`` returned."""
+        once ``fn`` waits for the held call (the allocator logs ``WAIT_LOG_TEXT`` on
+        ``fn``'s thread) or has returned without waiting, so a call that gives up on pages
+        in flight is seen to return while they are still in flight. ``started(results)``
+        runs once ``fn``'s thread is going. Returns what ``fn`` returned."""
         got: list[Any] = []
-        caller = threading.Thread(target=lambda: got.append(fn()))
-        caller.start()
-        if started is not None:
-            started(got)
-        caller.join(0.5)
-        self.release()
-        caller.join(10.0)
+        ready = threading.Event()  # fn is waiting for the held call, or fn is done
+
+        def call() -> None:
+            try:
+                got.append(fn())
+            finally:
+                ready.set()
+
+        listener = _WaitListener(ready)
+        caller = threading.Thread(target=call)
+        listener.thread = caller
+        with _listening(listener):
+            caller.start()
+            if started is not None:
+                started(got)
+            assert ready.wait(WAIT_TIMEOUT), "the call neither returned nor waited"
+            self.release()
+            caller.join(WAIT_TIMEOUT)
         assert not caller.is_alive() and got
         return got[0]
 
     def _hold(self) -> None:
-        if self.armed and threading.current_thread().name == "kvcore-page-refill":
+        if self.armed and threading.current_thread().name == BACKGROUND_THREAD_NAME:
             self.entered.set()
             self._go.wait()
 
@@ -117,9 +179,13 @@ class MemStack:
     mapper: LocalPageMapper
     pages: PageAllocator
     hold: PageThreadHold | None = None
+    clock: FakeClock | None = None
+    """The allocator's clock when the test drives it (``background=False``)."""
 
-    def ledger(self, reserved_blocks: tuple[int, ...] = ()) -> BlockLedger:
-        return BlockLedger(self.geometry, self.pages, reserved_blocks)
+    def ledger(self, pinned: tuple[int, ...] = ()) -> BlockLedger:
+        """A ``BlockLedger`` over the stack; ``pinned`` blocks are allocated for good (its
+        ``pinned_blocks``, e.g. vLLM's null block)."""
+        return BlockLedger(self.geometry, self.pages, pinned_blocks=pinned)
 
     def mapped_pages(self) -> set[int]:
         """Pages the mapper has physical memory mapped for."""
@@ -160,11 +226,16 @@ def build_stack(
     retry_interval: float = 0.01,
     demand_window: float = 2.0,
     hold_page_thread: bool = False,
+    background: bool = True,
 ) -> MemStack:
     """A fresh stack. ``device_pages`` (host only): how many page ids fit on the "device"
     beside the zero page; default: all of them. ``pool_pages=0`` makes every commit release
     its handles, so device memory follows the page states exactly. ``hold_page_thread``:
-    the allocator drives the mapper through a ``PageThreadHold`` (``MemStack.hold``)."""
+    the allocator drives the mapper through a ``PageThreadHold`` (``MemStack.hold``).
+    ``background=False``: no allocator thread, and a ``FakeClock`` (``MemStack.clock``)
+    for its back-offs and demand window (module docstring)."""
+    if hold_page_thread and not background:
+        raise ValueError("a PageThreadHold holds the allocator's background thread")
     inner: VmmBackend
     if backend == "host":
         gran = HOST_GRANULARITY
@@ -195,14 +266,17 @@ def build_stack(
     # figures are whole pages; None takes PageAllocator's default (charged), as engines do
     charge = {} if charge_fixed_bytes is None else {"charge_fixed_bytes": charge_fixed_bytes}
     hold = PageThreadHold(mapper) if hold_page_thread else None
+    clock = None if background else FakeClock()
     allocator = PageAllocator(
-        mapper if hold is None else hold,  # type: ignore[arg-type]
+        mapper if hold is None else hold,
         gate,
         reserve_min=reserve_min,
         reserve_max=reserve_max,
         retry_interval=retry_interval,
         refill_batch=refill_batch,
         demand_window=demand_window,
+        clock=time.monotonic if clock is None else clock,
+        background=background,
         **charge,
     )
-    return MemStack(vmm, geometry, cache, mapper, allocator, hold)
+    return MemStack(vmm, geometry, cache, mapper, allocator, hold, clock)

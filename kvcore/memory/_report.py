@@ -1,4 +1,5 @@
-"""Short texts for error messages that name many page ids or offsets."""
+"""Short texts for error messages that name many page ids or offsets (as runs of consecutive
+values, not to be confused with virtual address ranges)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ MAX_REPORTED = 16
 """The most items an error message lists before it ends in ``...``."""
 
 
-def ranges_text(values: Sequence[int]) -> str:
+def runs_text(values: Sequence[int]) -> str:
     """``[3, 4, 5, 9]`` -> ``'3-5, 9'`` (first few runs only)."""
     runs: list[str] = []
     vals = sorted(values)

@@ -5,10 +5,12 @@ SGLang's paged token allocator). It hands out block ids, places them page-aware 
 stays dense, and gives a page back to its ``kvcore.memory.pages.PageAllocator`` as soon as every
 block on it is free: that is when kvcore can return memory to the driver.
 
-Meanings (DESIGN.md section 2): a block id is *allocated* from ``alloc`` until ``free``. An
+Meanings: a block id is *allocated* from ``alloc`` until ``free``; a *pinned* block (one of
+``pinned_blocks``, e.g. vLLM's null block) is allocated for good at construction. An
 engine must only ``free`` a block once no metadata references its contents (a prefix-cached
-block stays allocated here until the engine evicts it), which is what makes invariant 1
-hold: a page is released only when none of its blocks is allocated.
+block stays allocated here until the engine evicts it), which is what makes invariant 1 of
+``docs/architecture.md`` hold: a page is released only when none of its blocks is
+allocated.
 
 Placement. ``alloc`` fills partly used pages first, fullest first, so sparse pages drain and
 can be unmapped; only then does it take fresh pages from the page allocator.
@@ -17,7 +19,9 @@ may evict, those whose eviction empties a whole page come first.
 
 Cost. ``alloc(n)`` and ``free(ids)`` are O(n) plus O(pages touched), with no per-block
 objects: per-page free stacks of ints, a ``bytearray`` of block states, and buckets of
-partly used pages indexed by their free count (a bit mask finds the fullest in O(1)). The
+partly used pages indexed by their free count (a bit mask finds the fullest in O(1)).
+A page is *held* from the ``acquire`` that brought it in until the ``release`` once its
+last block is freed; the free blocks on held pages are what ``alloc`` hands out first. The
 per-id Python work is bounded by the pages touched, not the ids: ``alloc`` hands out a page
 taken whole (and a run of consecutive fresh pages) with list and ``bytearray`` slice
 operations; ``free`` of many ids sorts them and checks and writes each page's share at once
@@ -27,8 +31,8 @@ for a caller that holds them as a run) are checked with one count for all. ``all
 ``free_runs`` are the same calls with ids as ``(first, count)`` runs, for a caller that keeps
 them as ranges (SGLang's adapter: a run is a slice of a table of every id): no per-id int of
 a fresh page is made. ``alloc`` makes no page-allocator call while the partly used pages
-suffice. ``benchmarks/ledger_alloc.py``
-measures it, and ``benchmarks/sglang_alloc.py`` in an engine's allocator.
+suffice. ``benchmarks/ledger_alloc.py`` and, in an engine's allocator,
+``benchmarks/sglang_alloc.py`` exercise these paths.
 """
 
 from __future__ import annotations
@@ -45,10 +49,11 @@ __all__ = ["BlockLedger"]
 
 _FREE = 0
 _ALLOCATED = 1
-_RESERVED = 2  # permanently allocated at construction (e.g. vLLM's null block)
+_PINNED = 2  # allocated for good at construction (``pinned_blocks``: vLLM's null block)
 _NOT_HELD = -1  # a page this ledger does not hold (not acquired from the page allocator)
 _ALLOCATED_BYTE = bytes((_ALLOCATED,))
-# page states in which the page allocator hands a page out before its free pages
+# page states in which the page allocator hands a page out before its free pages (the
+# reserve, the unmap queue, a map for the reserve in flight)
 _IDLE_MAPPED = frozenset({PageState.RESERVED, PageState.UNMAP_QUEUED, PageState.MAPPING})
 # free() of at least this many ids checks and writes them page by page (sorted, slices)
 _BY_PAGE_MIN = 8
@@ -57,18 +62,18 @@ _BY_PAGE_MIN = 8
 class BlockLedger:
     """Block ids ``0 .. geometry.num_blocks-1`` over the pages of ``pages``.
 
-    ``reserved_blocks`` are allocated for good at construction (vLLM's null block 0): their
-    pages are acquired (mapped) at once and never released, and ``free`` refuses them.
-    Raises ``GeometryError`` when ``pages`` covers fewer pages than ``geometry`` needs,
-    ``InvalidTransition`` for a reserved id outside the geometry, ``PoolFailed`` when the
-    reserved blocks' pages cannot be mapped. Thread-safe (one lock per call).
+    ``pinned_blocks`` are *pinned*: allocated for good at construction (vLLM's null block
+    0); their pages are acquired (mapped) at once and never released, and ``free`` refuses
+    them. Raises ``GeometryError`` when ``pages`` covers fewer pages than ``geometry`` needs,
+    ``InvalidTransition`` for a pinned id outside the geometry, ``PoolFailed`` when the
+    pinned blocks' pages cannot be mapped. Thread-safe (one lock per call).
     """
 
     def __init__(
         self,
         geometry: KVGeometry,
         pages: PageAllocator,
-        reserved_blocks: Iterable[int] = (),
+        pinned_blocks: Iterable[int] = (),
     ) -> None:
         if pages.num_pages < geometry.num_pages:
             raise GeometryError(
@@ -93,26 +98,27 @@ class BlockLedger:
         self._bucket_of = [_NOT_HELD] * num_pages
         # the geometry's last page when it holds fewer than bpp blocks (else -1: none)
         self._short_page = num_pages - 1 if self._capacity[-1] != bpp else -1
-        self._free_slots = 0  # free blocks on held pages
-        self._used = 0  # allocated blocks, reserved ones included
+        self._held_free = 0  # free blocks on held pages
+        self._used = 0  # allocated blocks, pinned ones included
         self._lock = threading.Lock()
 
-        reserved = sorted(set(reserved_blocks))
-        bad = [b for b in reserved if not 0 <= b < nb]
+        pinned = sorted(set(pinned_blocks))
+        bad = [b for b in pinned if not 0 <= b < nb]
         if bad:
             raise InvalidTransition(
-                f"block ledger: reserved blocks {bad} are outside 0..{nb - 1}", ids=bad
+                f"block ledger: pinned_blocks {bad} are outside 0..{nb - 1}",
+                ids=bad,
             )
-        held = sorted({b // bpp for b in reserved})
+        held = sorted({b // bpp for b in pinned})
         if held and not pages.acquire_ids(held):
             raise PoolFailed(
-                f"block ledger: cannot map pages {held} for the reserved blocks {reserved}",
+                f"block ledger: cannot map pages {held} for the pinned blocks {pinned}",
                 hint="free device memory or raise the instance's limit, then restart",
             )
-        for b in reserved:
-            self._state[b] = _RESERVED
+        for b in pinned:
+            self._state[b] = _PINNED
         # a page's row of block states once every block on it is allocated: the default, and
-        # the rows that differ (the short last page, pages holding reserved blocks)
+        # the rows that differ (the short last page, pages holding pinned blocks)
         self._full_row = _ALLOCATED_BYTE * bpp
         self._full_rows: dict[int, bytes] = {}
         if self._short_page >= 0:
@@ -121,15 +127,15 @@ class BlockLedger:
             first = p * bpp
             row = bytearray(_ALLOCATED_BYTE * self._capacity[p])
             for b in geometry.blocks_of(p):
-                if self._state[b] == _RESERVED:
-                    row[b - first] = _RESERVED
+                if self._state[b] == _PINNED:
+                    row[b - first] = _PINNED
             self._full_rows[p] = bytes(row)
-        self._used = len(reserved)
+        self._used = len(pinned)
         for p in held:
             stack = [b for b in reversed(geometry.blocks_of(p)) if self._state[b] == _FREE]
             self._stacks[p] = stack
             self._bucket_of[p] = 0
-            self._free_slots += len(stack)
+            self._held_free += len(stack)
             if stack:
                 self._bucket_add(p, len(stack))
 
@@ -137,6 +143,7 @@ class BlockLedger:
 
     @property
     def geometry(self) -> KVGeometry:
+        """The block and page geometry the ledger places blocks on."""
         return self._geometry
 
     @property
@@ -182,7 +189,7 @@ class BlockLedger:
         page allocator (behind ``fence``, an engine step number, when given: it stays mapped
         until ``pages.retire(upto)`` with ``upto >= fence``). Raises ``InvalidTransition``
         naming the id, with nothing changed, for a double free, an id never allocated, a
-        reserved id or one out of range."""
+        pinned id or one out of range."""
         with self._lock:
             if len(block_ids) >= _BY_PAGE_MIN and self._free_by_page(block_ids, fence):
                 return
@@ -231,10 +238,10 @@ class BlockLedger:
         promise what ``alloc`` cannot back. Without a budget the figure is exact. A snapshot
         read without the lock, like ``PageAllocator.available`` (engines ask before every
         allocation)."""
-        free_slots = self._free_slots
-        unheld = self._num_blocks - self._used - free_slots
+        held_free = self._held_free
+        unheld = self._num_blocks - self._used - held_free
         if unheld <= 0:
-            return free_slots
+            return held_free
         room = self._pages.available() * self._bpp
         short = self._short_page
         # mapped and idle, the short page is handed out before any free page (a free one,
@@ -246,23 +253,23 @@ class BlockLedger:
             and self._pages.state(short) in _IDLE_MAPPED
         ):
             room -= self._bpp - self._capacity[short]
-        return free_slots + min(room, unheld)
+        return held_free + min(room, unheld)
 
     def used(self) -> int:
-        """Allocated blocks, reserved ones included."""
+        """Allocated blocks, pinned ones included."""
         return self._used
 
     def held_free(self) -> int:
         """Free blocks on pages this ledger holds: what ``alloc`` can hand out without
         mapping a page (the part of ``available()`` that costs no memory gate charge)."""
-        return self._free_slots
+        return self._held_free
 
     def page_of(self, block_id: int) -> int:
         """The page id backing ``block_id``."""
         return block_id // self._bpp
 
     def is_allocated(self, block_id: int) -> bool:
-        """Whether ``block_id`` is allocated (reserved blocks are)."""
+        """Whether ``block_id`` is allocated (pinned blocks are)."""
         return self._state[block_id] != _FREE
 
     def eviction_order(self, candidates: Iterable[int]) -> list[int]:
@@ -304,19 +311,19 @@ class BlockLedger:
         """``alloc(n)`` (``n > 0``) under ``_lock``: the ids taken from partly used pages,
         then, when ``runs`` is ``None``, those of fresh pages; else the fresh pages' ids go
         to ``runs`` as ``(first, count)`` ranges. ``None`` on a physical miss."""
-        free_slots = self._free_slots
+        held_free = self._held_free
         out: list[int] = []
-        if n <= free_slots:  # the partly used pages suffice: no page-allocator call
+        if n <= held_free:  # the partly used pages suffice: no page-allocator call
             self._take_partly_used(out, n)
-            self._free_slots = free_slots - n
+            self._held_free = held_free - n
         else:
-            fresh = self._acquire_pages(n - free_slots)
+            fresh = self._acquire_pages(n - held_free)
             if fresh is None:
                 return None
-            if free_slots:  # every partly used page, taken whole
-                self._take_partly_used(out, free_slots)
-            self._free_slots = 0
-            self._take_fresh(out, n - free_slots, fresh, runs)
+            if held_free:  # every partly used page, taken whole
+                self._take_partly_used(out, held_free)
+            self._held_free = 0
+            self._take_fresh(out, n - held_free, fresh, runs)
         self._used += n
         return out
 
@@ -408,7 +415,7 @@ class BlockLedger:
                     runs.append((start, n))
                 state[start : start + n] = _ALLOCATED_BYTE * n
                 self._stacks[p] = list(range(start + cap - 1, start + n - 1, -1))
-                self._free_slots += cap - n
+                self._held_free += cap - n
                 self._bucket_add(p, cap - n)
                 break
             bucket_of[p] = 0
@@ -464,7 +471,7 @@ class BlockLedger:
             ends.append(j)
             i = j
         self._used -= n
-        free_slots = self._free_slots + n
+        held_free = self._held_free + n
         stacks = self._stacks
         emptied: list[int] = []
         i = 0
@@ -479,12 +486,12 @@ class BlockLedger:
             p = a // bpp
             now = len(stacks[p]) + k
             if self._rebucket(p, now):
-                free_slots -= now
+                held_free -= now
                 emptied.append(p)
             else:
                 stacks[p] += ids[i:j]
             i = j
-        self._free_slots = free_slots
+        self._held_free = held_free
         if emptied:
             self._pages.release(emptied, fence)
         return True
@@ -531,7 +538,7 @@ class BlockLedger:
         end = first + n
         state[first:end] = bytes(n)
         self._used -= n
-        self._free_slots += n
+        self._held_free += n
         bpp = self._bpp
         head, tail = first // bpp, (end - 1) // bpp
         if self._share_freed(head, first, min((head + 1) * bpp, end)):
@@ -541,19 +548,19 @@ class BlockLedger:
             # full (bucket 0, empty stack) and is empty now
             inner = range(head + 1, tail)
             self._bucket_of[head + 1 : tail] = [_NOT_HELD] * len(inner)
-            self._free_slots -= len(inner) * bpp
+            self._held_free -= len(inner) * bpp
             emptied += inner
         if tail > head and self._share_freed(tail, tail * bpp, end):
             emptied.append(tail)
 
     def _share_freed(self, page: int, lo: int, hi: int) -> bool:
         """Blocks ``lo .. hi-1`` of ``page`` were just freed (state written, counted in
-        ``_free_slots``): push them on its free stack and rebucket it, or, when no block is
-        left on it, stop holding it, take its blocks off ``_free_slots`` and return
+        ``_held_free``): push them on its free stack and rebucket it, or, when no block is
+        left on it, stop holding it, take its blocks off ``_held_free`` and return
         ``True`` (the caller releases it). Caller holds ``_lock``."""
         now = len(self._stacks[page]) + hi - lo
         if self._rebucket(page, now):
-            self._free_slots -= now
+            self._held_free -= now
             return True
         self._stacks[page] += range(lo, hi)
         return False
@@ -585,7 +592,7 @@ class BlockLedger:
             stack.append(b)
         n = len(block_ids)
         self._used -= n
-        self._free_slots += n
+        self._held_free += n
         emptied: list[int] = []
         bucket_of = self._bucket_of
         for p in touched:
@@ -594,15 +601,15 @@ class BlockLedger:
             if was in (now, _NOT_HELD):
                 continue  # seen (or emptied) earlier in this loop
             if self._rebucket(p, now):
-                self._free_slots -= now
+                self._held_free -= now
                 emptied.append(p)
         if emptied:
             self._pages.release(emptied, fence)
 
     def _rebucket(self, page: int, free: int) -> bool:
         """A ``free`` left ``page`` with ``free`` free blocks: move it to that bucket, or,
-        when no block is left on it (reserved ones never leave), stop holding it and return
-        ``True``: the caller takes its blocks off ``_free_slots`` and releases it. Caller
+        when no block is left on it (pinned ones never leave), stop holding it and return
+        ``True``: the caller takes its blocks off ``_held_free`` and releases it. Caller
         holds ``_lock``."""
         was = self._bucket_of[page]
         if was:
@@ -635,8 +642,8 @@ class BlockLedger:
     def _why_not_freeable(self, block: int) -> str:
         if not 0 <= block < self._num_blocks:
             return f"out of range 0..{self._num_blocks - 1}"
-        if self._state[block] == _RESERVED:
-            return "it is reserved for good"
+        if self._state[block] == _PINNED:
+            return "it is pinned (one of pinned_blocks)"
         return "not allocated (a double free, or named twice in one call)"
 
 

@@ -1,5 +1,5 @@
 """KV layouts of model families beyond MHA/GQA: MLA latents, hybrid attention groups and
-Mamba state cells (DESIGN.md section 7).
+Mamba state cells.
 
 ``KVGeometry`` places fixed-size blocks on pages. This module decides what one block *holds*
 when a model is not plain MHA/GQA, builds the matching geometry, and carves the per-layer
@@ -40,10 +40,11 @@ Layouts (``layout=``)
 
 Alignment policy (``plan_rows``). A block never straddles a page, so a page must hold whole
 rows. kvcore first tries an *exact* page: ``lcm(row, granularity)`` when that is at most
-``max_page_bytes`` (64 MiB by default; a 32 MiB handle maps in the same time as a 2 MiB one on
-the H200). A DeepSeek MLA token row of 1152 bytes takes an 18 MiB page (9 granules, 16384
-rows) with no padding. When no exact page is small enough (61 layers x 64 tokens x 1152 bytes
-= 4497408 bytes per compound row would need a 1.07 GiB page) the row *stride* is padded to the
+``max_page_bytes`` (64 MiB by default: a map's driver cost does not grow with the handle's
+size, so a larger exact page is preferred to a padded stride). A DeepSeek MLA token row of
+1152 bytes takes an 18 MiB page (9 granules, 16384 rows) with no padding. When no exact page
+is small enough (61 layers x 64 tokens x 1152 bytes = 4497408 bytes per compound row would
+need a 1.07 GiB page) the row *stride* is padded to the
 smallest multiple of ``stride_alignment`` that divides a page of at most ``max_page_bytes``,
 least padding first (that row: stride 4718592, 4 rows per 18 MiB page, 4.7% padding). The
 engine must then address blocks with the padded stride (vLLM: ``block_stride_alignment`` or
@@ -121,10 +122,12 @@ class StateSpec:
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element of ``dtype``."""
         return _itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the state for one block."""
         return math.prod(self.shape) * self.itemsize
 
 
@@ -306,6 +309,7 @@ class RowPlan:
 
     @property
     def rows_per_page(self) -> int:
+        """Rows (block ids) one page holds."""
         return self.page_bytes // self.row_stride
 
     @property

@@ -1,7 +1,7 @@
 """KV-cache geometry: how blocks, layers and buffers sit on physical pages.
 
-One *page id* backs the same blocks in every layer and buffer (DESIGN.md section 2). Two
-layouts place those bytes differently (DESIGN.md section 7):
+One *page id* backs the same blocks in every layer and buffer. Two layouts place those
+bytes differently:
 
 ``per-layer``
     Each (layer, buffer) pair has its own contiguous virtual range; a block's bytes in one
@@ -36,18 +36,17 @@ LAYOUTS: tuple[Layout, ...] = ("per-layer", "compound")
 class KVGeometry:
     """The byte geometry of one engine's KV cache.
 
-    ``layout`` defaults to ``compound``, the layout decided by measurement on the target
-    GPU (DESIGN.md section 7): on an H200 (GPU suite step (b), commit a472e75) a paged
-    decode read through compound views ran at 1.005x the bandwidth of plain
-    ``torch.empty`` tensors (per-layer: 0.999x; 2 and 64 MiB pages alike), so the one-handle
-    layout costs attention nothing while mapping one handle per page id instead of
+    ``layout`` defaults to ``compound``: a paged read through its strided views is as fast
+    as through plain tensors (the bandwidth comparison in ``docs/benchmarks.md``), so the
+    one-handle layout costs attention nothing while a page id maps one handle instead of
     ``layers x kv_buffers``.
 
     ``block_bytes`` is one block of one layer in one buffer (vLLM: ``block_size`` tokens;
     SGLang: one page of token slots). ``page_bytes`` is the size of one physical handle
     (per (layer, buffer) range for ``per-layer``; spanning all layers for ``compound``) and
-    must be a multiple of the backend's ``granularity``. ``num_blocks`` is the engine's
-    logical capacity; the virtual ranges are rounded up to whole pages.
+    must be a multiple of the backend's ``granularity``; a page id's device memory is
+    ``page_device_bytes`` (what ``PageMapper.page_bytes`` reports). ``num_blocks`` is the
+    engine's logical capacity; the virtual ranges are rounded up to whole pages.
     """
 
     num_layers: int

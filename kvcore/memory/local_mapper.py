@@ -33,7 +33,7 @@ from kvcore.errors import (
     PoolFailed,
     VmmError,
 )
-from kvcore.memory._report import MAX_REPORTED, ranges_text
+from kvcore.memory._report import MAX_REPORTED, runs_text
 from kvcore.memory.mapper import MappingState
 from kvcore.memory.virtual_cache import SlotStateUnknown, VirtualKVCache
 
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 class _Slot(enum.Enum):
     ZERO = "zero"  # the zero page is mapped here
-    EMPTY = "empty"  # nothing mapped (reserved only)
+    EMPTY = "empty"  # nothing mapped (the VA range is still reserved)
     BACKED = "backed"  # the page's handle is mapped, read-write
     UNKNOWN = "unknown"  # a quarantined page's slot: cleared piecewise before reuse at close
     # an unmap of a ZERO / BACKED slot raised: it may or may not have taken effect
@@ -53,7 +53,7 @@ class _Slot(enum.Enum):
     SUSPECT_BACKED = "suspect-backed"
 
 
-# module-level names of the members: an Enum member read through its class costs ~100 ns
+# module-level names of the members: the hot path reads these, not attributes of the class
 _ZERO, _EMPTY, _BACKED, _UNKNOWN = _Slot.ZERO, _Slot.EMPTY, _Slot.BACKED, _Slot.UNKNOWN
 _SUSPECT = {_Slot.SUSPECT_ZERO: _ZERO, _Slot.SUSPECT_BACKED: _BACKED}
 _SUSPECT_OF = {_ZERO: _Slot.SUSPECT_ZERO, _BACKED: _Slot.SUSPECT_BACKED}
@@ -106,10 +106,13 @@ class LocalPageMapper:
 
     @property
     def num_pages(self) -> int:
+        """Page ids of the cache (``PageMapper.num_pages``)."""
         return self._num_pages
 
     @property
     def page_bytes(self) -> int:
+        """Device bytes one mapped page id costs: every handle of the page
+        (``KVGeometry.page_device_bytes``)."""
         return self.geometry.page_device_bytes
 
     @property
@@ -132,6 +135,11 @@ class LocalPageMapper:
         return len(self._pool) // self._hpp
 
     def map(self, page_ids: Sequence[int]) -> None:
+        """``PageMapper.map``: back every slot of ``page_ids`` with a handle (pooled ones
+        first), all or nothing. Raises ``OutOfDeviceMemory`` or the driver's ``VmmError``
+        after a clean rollback, ``PageQuarantined`` when the rollback failed,
+        ``InvalidTransition`` for a page not unmapped, ``ZeroPageWritten`` (sanity mode)
+        when the zero page was written, ``PoolFailed`` once failed."""
         with self._lock:
             if self._closed or self._failed is not None:
                 self._usable()
@@ -150,6 +158,9 @@ class LocalPageMapper:
             self._transact(ids, _BACKED, _ZERO, _MAPPED_S, _UNBACKED_S)
 
     def prepare_unmap(self, page_ids: Sequence[int]) -> None:
+        """``PageMapper.prepare_unmap``: wait for the device (outside the lock), then put
+        the zero page back under every slot of ``page_ids``, keeping their handles. Raises
+        like ``map``; after a clean rollback the pages are still mapped."""
         with self._lock:
             if self._closed or self._failed is not None:
                 self._usable()
@@ -168,6 +179,9 @@ class LocalPageMapper:
             self._transact(ids, _ZERO, _BACKED, _PREPARED_S, _MAPPED_S)
 
     def commit_unmap(self, page_ids: Sequence[int]) -> None:
+        """``PageMapper.commit_unmap``: pool or release the handles of prepared pages
+        (unmapped ones are skipped: idempotent). A failed release raises its ``VmmError``
+        after the pages are unmapped (class docstring)."""
         with self._lock:
             if self._closed or self._failed is not None:
                 self._usable()
@@ -184,6 +198,8 @@ class LocalPageMapper:
                 raise errors[0]
 
     def abort_unmap(self, page_ids: Sequence[int]) -> None:
+        """``PageMapper.abort_unmap``: map the kept handles of prepared pages again. Raises
+        like ``map``."""
         with self._lock:
             self._usable()
             ids = self._validate("abort_unmap", page_ids, _PREPARED_S)
@@ -295,7 +311,7 @@ class LocalPageMapper:
                 self._give_back(freed)
             if bad:
                 raise PageQuarantined(
-                    f"rollback of {ranges_text(bad)} failed after {err}; quarantined",
+                    f"rollback of {runs_text(bad)} failed after {err}; quarantined",
                     page_ids=bad,
                     hint="capacity drops by these pages; the engine can continue",
                 ) from err
@@ -305,7 +321,7 @@ class LocalPageMapper:
         except Exception as exc:
             self._fail(exc)
             raise PoolFailed(
-                f"unexpected {type(exc).__name__} while moving pages {ranges_text(ids)}: {exc}",
+                f"unexpected {type(exc).__name__} while moving pages {runs_text(ids)}: {exc}",
                 hint="the mapper stopped (fail-stop); restart the engine",
             ) from exc
         except BaseException as exc:

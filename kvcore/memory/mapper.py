@@ -10,10 +10,11 @@ allocator (``kvcore.memory.pages``) decides *which* page changes state and calls
   running the same transition on every worker as one transaction.
 
 Page ids are ``0 .. num_pages-1``. One page id backs the same byte range of every layer's
-K and V buffers (DESIGN.md section 2), so mapping one page id costs ``page_bytes`` of device
-memory on each worker.
+K and V buffers, so mapping one page id costs ``page_bytes`` of device memory on each worker
+(``KVGeometry.page_device_bytes``: every handle of the page, not one handle's
+``KVGeometry.page_bytes``).
 
-Transitions (DESIGN.md section 5):
+Transitions (the allocator's ``PageState`` diagram in ``kvcore.memory.pages`` drives them):
 
 ``map(ids)``
     unmapped -> mapped. All-or-nothing across every handle, layer and worker: on failure

@@ -1,8 +1,8 @@
 """The page allocator: which page ids hold physical memory, and the reserve that keeps the
 driver off the scheduler thread.
 
-A ``PageAllocator`` owns the page states of one engine's virtual KV tensors (DESIGN.md
-section 5) and decides every page transition; a ``kvcore.memory.mapper.PageMapper`` carries them
+A ``PageAllocator`` owns the page states of one engine's virtual KV tensors and decides
+every page transition; a ``kvcore.memory.mapper.PageMapper`` carries them
 out (locally, or on every TP x PP worker). The block ledger (``kvcore.memory.blocks``) is its
 caller: it ``acquire``\\ s pages when it has no free block left on a mapped page and
 ``release``\\ s a page once every block on it is free.
@@ -26,9 +26,20 @@ background round refills before it unmaps: an unmap first waits for the device t
 its queued work, which would hold the refill back by up to a step. While the reserve covers
 demand, ``acquire`` and ``release`` make no mapper (hence no driver) call on the calling
 thread: they move page ids between lists under one lock. Surplus pages are unmapped by the
-background thread too, so unmap outliers (3-5 ms on a GPU) never land on the scheduler
-thread. Only when the reserve and the pages waiting to
-be unmapped cannot cover a request does ``acquire`` map on the calling thread.
+background thread too, so an unmap's wait for the device never lands on the scheduler
+thread. Only when the reserve and the pages waiting to be unmapped cannot cover a request
+does ``acquire`` map on the calling thread.
+
+Background rounds. The background thread's work comes in *rounds*: read the gate's
+``reserve_target``, map a refill batch for the reserve, unmap the queued surplus, release
+pooled handles when asked to, report the idle memory to the gate. With ``background=False``
+no thread is started and ``run_round()`` runs one round on the calling thread (``flush()``
+runs them until nothing is left to do); everything else behaves the same. Every
+time-based decision (retry back-off, unmap back-off, the demand window) reads ``clock``
+(default ``time.monotonic``), so a caller (a test) that passes its own clock decides when
+a back-off has passed. The waits on other threads (the thread's idle sleep of at most
+``poll_interval``, an ``acquire`` waiting for a mapper call in flight, ``flush(timeout)``)
+are real waits on conditions.
 
 Pages in flight. A page the background thread is mapping for the reserve or unmapping is
 still capacity: ``available()`` counts it, and an ``acquire`` that would otherwise miss
@@ -57,7 +68,7 @@ figures cannot move in between. Pooled handles count as idle memory, like the re
 ``report_reserve`` includes them, and when the gate's ``reserve_target`` cuts the idle
 memory, or on ``trim()``, the pool is released first.
 
-Failure handling (DESIGN.md section 6, invariants 2 and 3):
+Failure handling (invariants 2 and 3 of ``docs/architecture.md``):
 
 * a physical shortage (the gate refuses, the mapper raises ``OutOfDeviceMemory``) or a map
   the mapper rolled back cleanly (any other ``VmmError``) is a *miss*: ``acquire`` returns
@@ -94,13 +105,29 @@ from kvcore.errors import (
 )
 from kvcore.memory.mapper import PageMapper
 
-__all__ = ["TRANSITIONS", "PageAllocator", "PageState", "PageStats"]
+__all__ = [
+    "BACKGROUND_THREAD_NAME",
+    "TRANSITIONS",
+    "WAIT_LOG_TEXT",
+    "PageAllocator",
+    "PageState",
+    "PageStats",
+]
 
 log = logging.getLogger(__name__)
 
+BACKGROUND_THREAD_NAME = "kvcore-page-refill"
+"""The name of every allocator's background thread (``background=True``)."""
+
+WAIT_LOG_TEXT = "waits for the mapper call in flight on pages"
+"""Part of the ``DEBUG`` record this module's logger emits each time a caller waits for
+pages another thread has in a mapper call instead of missing; logged with the allocator's
+lock held, so the awaited call cannot finish before the caller is waiting (tests listen for
+it to know the caller is blocked)."""
+
 
 class PageState(enum.IntEnum):
-    """The state of one page id (DESIGN.md section 5)."""
+    """The state of one page id (the diagram in the module docstring)."""
 
     FREE = 0
     """Unbacked: never mapped, or unmapped and its handle committed. Reads hit the zero page."""
@@ -188,27 +215,33 @@ class PageStats:
     misses: int
     """``acquire`` calls that returned ``None``."""
     caller_mapper_calls: int
-    """Mapper calls made on any thread but the background one (the scheduler's)."""
+    """Mapper calls made outside background rounds: ``acquire`` / ``acquire_ids`` mapping
+    on the calling thread (the scheduler's), and ``close``."""
     refill_mapper_calls: int
-    """Mapper calls made on the background refill/unmap thread."""
+    """Mapper calls made by background rounds (the refill/unmap thread, or ``run_round``
+    with ``background=False``)."""
     failed: bool
 
 
 class PageAllocator:
-    """Page states, the pre-mapped reserve and its background thread for one ``PageMapper``.
+    """Page states, the pre-mapped reserve and its background rounds for one ``PageMapper``.
 
     ``gate`` admits every byte mapped (default: an ``UnlimitedGate``). ``reserve_min`` /
     ``reserve_max`` bound the reserve in pages (``0 <= reserve_min <= reserve_max``);
-    ``retry_interval`` is how long the background thread waits before mapping again after
-    a miss (doubling per further miss, up to 20x, while its batch halves),
-    ``refill_batch`` the most pages it maps in one mapper call (each batch joins the reserve
-    as soon as it is mapped, and the mapper is free in between for a caller that must map
-    on its own thread), ``charge_fixed_bytes`` whether the gate is also charged the
+    ``retry_interval`` is how long (seconds of ``clock``) background rounds wait before
+    mapping again after a miss (doubling per further miss, up to 20x, while the batch
+    halves) and before unmapping again after a failed unmap (likewise doubling);
+    ``refill_batch`` the most pages a round maps in one mapper call (each batch joins the
+    reserve as soon as it is mapped, and the mapper is free in between for a caller that
+    must map on its own thread), ``charge_fixed_bytes`` whether the gate is also charged the
     mapper's ``fixed_bytes`` (module docstring),
-    ``poll_interval`` how often it re-reads the gate's ``reserve_target`` and
-    reports the reserve while idle, ``demand_window`` how long (seconds) the largest recent
-    ``acquire`` raises the refill target (module docstring). Every method is thread-safe.
-    Raises ``ValueError`` for bounds that do not fit the mapper's page count.
+    ``poll_interval`` how often the idle background thread re-reads the gate's
+    ``reserve_target`` and reports the reserve, ``demand_window`` how long (seconds of
+    ``clock``) the largest recent ``acquire`` raises the refill target (module docstring).
+    ``clock`` returns the time in seconds for every one of those decisions (default
+    ``time.monotonic``; it must never go back). ``background=False`` starts no thread: the
+    owner runs the rounds with ``run_round()`` (or ``flush()``). Every method is
+    thread-safe. Raises ``ValueError`` for bounds that do not fit the mapper's page count.
     """
 
     def __init__(
@@ -223,6 +256,8 @@ class PageAllocator:
         refill_batch: int = 8,
         charge_fixed_bytes: bool = True,
         demand_window: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+        background: bool = True,
     ) -> None:
         num_pages = mapper.num_pages
         if refill_batch < 1:
@@ -239,9 +274,10 @@ class PageAllocator:
         self._num_pages = num_pages
         self._page_bytes = mapper.page_bytes
         self._reserve_min = reserve_min
+        self._clock = clock
         self._demand_window = demand_window
         self._demand = 0  # the largest acquire since _demand_since (pages)
-        self._demand_since = time.monotonic()
+        self._demand_since = clock()
         self._refill_goal = reserve_min  # _refill_target_locked() before the gate's cap
         self._reserve_max = reserve_max
         self._retry_interval = retry_interval
@@ -261,20 +297,20 @@ class PageAllocator:
         self._trim_pool = False  # trim() asked the background thread to drop the pool
         self._reserve_cap = reserve_max  # gate-approved reserve size, refreshed off-thread
         self._refill_paused = False  # set by trim() until the next acquire
-        self._retry_at = 0.0  # no background map before this monotonic time
+        self._retry_at = 0.0  # no background map before this time (of _clock)
         self._backoff = retry_interval  # doubles on each background miss, up to 20x
         self._unmap_retry_at = 0.0  # no background unmap before this (after a failed one)
         self._unmap_backoff = retry_interval
         self._refill_batch = refill_batch
         self._batch_limit = refill_batch  # pages per background map; halves on each miss
         self._reserve_dirty = True
-        self._busy = False  # background thread inside a round
+        self._busy = False  # a background round is running
         self._kick = False  # flush() asked for a round
         self._rounds = 0
         self._misses = 0
         self._calls_caller = 0
-        self._calls_refill = 0
-        # pages the background thread has in a mapper call now (MAPPING for the reserve,
+        self._calls_refill = 0  # written only by the one background round running
+        # pages a background round has in a mapper call now (MAPPING for the reserve,
         # UNMAPPING): capacity an acquire waits for rather than misses (invariant 2)
         self._bg_maps: list[int] = []
         self._bg_unmaps: list[int] = []
@@ -287,6 +323,7 @@ class PageAllocator:
         self._wake = threading.Condition(self._lock)  # the background thread waits here
         self._settled = threading.Condition(self._lock)  # flush() waits here
         self._mapper_lock = threading.Lock()
+        self._round_lock = threading.Lock()  # one run_round() at a time (background=False)
         with self._mapper_lock:  # a mapper reused from an earlier allocator may hold memory
             if not self._settle_charge_locked():
                 raise PoolFailed(
@@ -295,8 +332,12 @@ class PageAllocator:
                     f"({self._fixed_bytes} of them its zero page)",
                     hint="trim or close the mapper's earlier user first, or raise the limit",
                 )
-        self._thread = threading.Thread(target=self._run, name="kvcore-page-refill", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(
+                target=self._run, name=BACKGROUND_THREAD_NAME, daemon=True
+            )
+            self._thread.start()
 
     # ------------------------------------------------------------------ public seam
 
@@ -310,12 +351,18 @@ class PageAllocator:
         """Device bytes one mapped page id costs (``mapper.page_bytes``)."""
         return self._page_bytes
 
+    @property
+    def gate(self) -> MemoryGate:
+        """The memory gate every mapped byte is charged to (an ``UnlimitedGate`` when none
+        was given)."""
+        return self._gate
+
     def acquire(self, n: int) -> list[int] | None:
         """Hand out ``n`` mapped page ids, now ``IN_USE``.
 
         Taken from the reserve first, then from pages waiting to be unmapped, then mapped
-        on this thread (after ``gate.try_acquire``). When that falls short while the
-        background thread is mapping pages for the reserve or unmapping pages (whose bytes
+        on this thread (after ``gate.try_acquire``). When that falls short while a
+        background round is mapping pages for the reserve or unmapping pages (whose bytes
         then return to the gate), ``acquire`` waits for that mapper call and tries again,
         so pages in flight never turn into a miss: without a budget it succeeds whenever
         ``n`` unquarantined pages exist. Returns ``None`` on a physical miss (gate refused,
@@ -331,8 +378,8 @@ class PageAllocator:
             ids = self._acquire_once(n)
             if ids is not None:
                 return ids
-            with self._lock:  # a miss: pages the background thread holds may still serve it
-                if not self._settle_background_locked():
+            with self._lock:  # a miss: pages a background round holds may still serve it
+                if not self._wait_for_background_locked(n):
                     self._misses += 1
                     return None
 
@@ -387,10 +434,10 @@ class PageAllocator:
             return None
 
     def acquire_ids(self, page_ids: Sequence[int]) -> bool:
-        """Make these specific page ids ``IN_USE`` (e.g. the page of a permanently reserved
-        block). Reserved or queued pages are taken without a driver call; free ones are
-        mapped on this thread; a page another thread is mapping or unmapping is waited
-        for. Returns ``False`` on a physical miss (nothing changed). Raises
+        """Make these specific page ids ``IN_USE`` (e.g. the page of a block the ledger pins
+        for good). Pages in the reserve or queued for unmap are taken without a driver call;
+        free ones are mapped on this thread; a page another thread is mapping or unmapping
+        is waited for. Returns ``False`` on a physical miss (nothing changed). Raises
         ``InvalidTransition`` for a page already in use, fenced or quarantined,
         ``PoolFailed`` once the allocator has failed."""
         ids = list(dict.fromkeys(page_ids))
@@ -403,8 +450,10 @@ class PageAllocator:
                     f"page allocator: page ids {bad} are outside 0..{self._num_pages - 1}",
                     ids=bad,
                 )
-            # a page the background thread is mapping or unmapping settles within its round
+            # a page another thread is mapping or unmapping settles within that call; a map
+            # on a caller's thread signals nothing, hence the bounded waits
             while any(state[p] in (_MAPPING, _UNMAPPING) for p in ids):
+                log.debug("kvcore: acquire_ids %s %s", WAIT_LOG_TEXT, ids)
                 self._wake.notify()
                 self._settled.wait(self._poll_interval)
                 self._check_usable()
@@ -445,7 +494,7 @@ class PageAllocator:
         """Give back ``IN_USE`` pages whose blocks are all free.
 
         Without a ``fence`` each page goes to the reserve while it is below the gate's
-        reserve target, else it is queued for the background thread to unmap
+        reserve target, else it is queued for a background round to unmap
         (``prepare_unmap`` + ``commit_unmap``, then the gate's charge settled). With a
         ``fence`` (an engine step number) the pages stay mapped until ``retire(upto)`` with
         ``upto >= fence``: the barrier that proves no in-flight batch still reads them; a
@@ -507,10 +556,11 @@ class PageAllocator:
             return len(pages)
 
     def trim(self) -> int:
-        """Give idle memory back to the driver: the whole reserve is unmapped by the
-        background thread, then the mapper's pooled handles are released, and the refill
+        """Give idle memory back to the driver: the whole reserve is unmapped by the next
+        background round, then the mapper's pooled handles are released, and the refill
         stays paused until the next ``acquire``. Returns the reserve pages dropped. Makes
-        no mapper call (``flush()`` waits for the background thread to finish)."""
+        no mapper call (``flush()`` waits for, or with ``background=False`` runs, the
+        rounds that do it)."""
         with self._lock:
             self._check_usable()
             dropped = self._reserve[:]
@@ -524,10 +574,26 @@ class PageAllocator:
             return len(dropped)
 
     def flush(self, timeout: float | None = 10.0) -> bool:
-        """Wait until the background thread has done one full round after this call and has
-        nothing left to do: no unmap pending, the reserve within its bounds (or the refill
-        blocked by a miss, a pause or no free pages). Returns ``False`` on timeout. For
-        tests, benchmarks and the control plane; never needed on the hot path."""
+        """Wait until a full background round has run after this call and nothing is left
+        to do: no unmap pending, the reserve within its bounds (or the refill blocked by a
+        miss, a pause or no free pages). Returns ``False`` on timeout (``timeout`` seconds
+        of real time; ``None``: no limit). For tests, benchmarks and the control plane;
+        never needed on the hot path.
+
+        With ``background=False`` it runs the rounds itself, on this thread: ``run_round()``
+        until it reports nothing more to do now (at most ``num_pages + 3`` rounds), then
+        returns whether everything is settled; ``False`` when work remains that waits for
+        ``clock`` to pass a back-off (a failed unmap). ``timeout`` is not used then.
+        Raises ``PoolFailed`` once the allocator has failed or is closed."""
+        if self._thread is None:
+            more = self.run_round()
+            for _ in range(self._num_pages + 2):
+                if not more:
+                    break
+                more = self.run_round()
+            with self._lock:
+                self._check_usable()
+                return self._idle_locked()
         with self._lock:
             self._check_usable()
             # a round that *starts* after this call sees everything done before it
@@ -544,18 +610,64 @@ class PageAllocator:
             self._check_usable()
             return done
 
+    def run_round(self) -> bool:
+        """Run one background round on this thread (``background=False`` only): read the
+        gate's ``reserve_target``, map one refill batch for the reserve (unless a miss's
+        back-off has not passed on ``clock``), unmap the queued surplus (likewise after a
+        failed unmap), release the mapper's pooled handles after ``trim()`` or when the
+        gate cuts the idle memory, and report the idle memory (``gate.report_reserve``).
+        Its mapper calls count as ``refill_mapper_calls``.
+
+        Call it where the background thread would run: after ``release``, ``retire`` or
+        ``trim`` (surplus pages stay mapped, and count as ``available()``, until a round
+        unmaps them), after an ``acquire`` that drew the reserve below its refill target,
+        and now and then (an engine step) for the gate's ``reserve_target`` and the demand
+        window. Rounds run one at a time: a second thread's call waits for the first.
+
+        Returns ``True`` when more work is ready now (another call would do it: a further
+        refill batch, say), ``False`` when nothing is left until a caller acts or ``clock``
+        passes a back-off. Raises ``RuntimeError`` when the allocator runs its own thread
+        (``background=True``), ``PoolFailed`` once the allocator has failed or is closed,
+        or when this round fails it (a mapper or gate error it cannot explain)."""
+        if self._thread is not None:
+            raise RuntimeError(
+                "page allocator: run_round() is for background=False; the background thread "
+                "runs the rounds here"
+            )
+        with self._round_lock:
+            with self._lock:
+                self._check_usable()
+                self._busy = True
+                self._kick = False
+            try:
+                self._work()
+            except PoolFailed:
+                raise
+            except Exception as exc:
+                self._fail(f"a background round failed: {exc!r}", exc)
+            except BaseException as exc:  # interrupted mid-round: the pages' state is unknown
+                with self._lock:
+                    self._record_failure_locked(f"a background round was interrupted: {exc!r}", exc)
+                raise
+            finally:
+                with self._lock:
+                    self._busy = False
+                    self._settled.notify_all()
+            with self._lock:
+                return self._has_work_locked()
+
     def state(self, page_id: int) -> PageState:
         """The current state of one page id."""
         with self._lock:
             return PageState(self._state[page_id])
 
     def available(self) -> int:
-        """Pages ``acquire`` could hand out now: reserved, queued for unmap, in a background
-        mapper call (``acquire`` waits for those), and free pages the mapper's pool or the
-        gate would still admit (``gate.headroom()`` where the gate has one). An upper
-        bound: the device itself may still run out. A snapshot read
-        without the lock (engines ask before every allocation): a page the background
-        thread moves meanwhile may be missed or, once, counted twice."""
+        """Pages ``acquire`` could hand out now: in the reserve, queued for unmap, in a
+        background mapper call (``acquire`` waits for those), and free pages the mapper's
+        pool or the gate would still admit (``gate.headroom()`` where the gate has one). An
+        upper bound: the device itself may still run out. A snapshot read without the lock
+        (engines ask before every allocation): a page a background round moves meanwhile
+        may be missed or, once, counted twice. Raises ``PoolFailed`` once failed."""
         if self._failure is not None or self._closed:
             self._check_usable()
         free = len(self._free)
@@ -593,7 +705,8 @@ class PageAllocator:
             )
 
     def close(self) -> None:
-        """Stop the background thread, unmap every mapped page (in use ones included: the
+        """Stop the background thread (if any; with ``background=False``, wait for a
+        ``run_round`` in progress), unmap every mapped page (in use ones included: the
         engine is going away), release the mapper's pooled handles and settle the gate's
         charge to what the mapper still holds: nothing, unless pages are quarantined or a
         release failed (the mapper's own ``close``, which the owner calls next, releases
@@ -608,7 +721,10 @@ class PageAllocator:
             self._stop = True
             self._wake.notify_all()
             self._settled.notify_all()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
+        with self._round_lock:  # a run_round() on another thread finishes its round first
+            pass
         with self._lock:
             backed = [p for p in range(self._num_pages) if self._state[p] in _BACKED]
             for p in backed:
@@ -640,7 +756,7 @@ class PageAllocator:
             if error is None:
                 for p in backed:
                     self._state[p] = _FREE
-        if error is not None and self._failure is None:  # a failed pool already said so
+        if error is not None and self._failure is None:  # a failed allocator already said so
             raise PoolFailed(
                 f"page allocator: unmapping {len(backed)} pages at close failed: {error}",
                 hint="the mapper's close() releases what is left",
@@ -696,12 +812,13 @@ class PageAllocator:
         reserve.extend(pages)
         reserve.sort(reverse=True)
 
-    def _settle_background_locked(self) -> bool:
-        """Wait until the background thread's current mapper calls are done (pages it is
+    def _wait_for_background_locked(self, n: int) -> bool:
+        """Wait until the running background round's mapper calls are done (pages it is
         mapping for the reserve or unmapping): ``True`` when there were any, so that an
-        ``acquire`` that missed may try again. Caller holds ``_lock``."""
+        ``acquire`` of ``n`` pages that missed may try again. Caller holds ``_lock``."""
         if not (self._bg_maps or self._bg_unmaps):
             return False
+        log.debug("kvcore: acquire(%d) %s %s", n, WAIT_LOG_TEXT, self._bg_maps + self._bg_unmaps)
         self._settled.wait_for(
             lambda: not (self._bg_maps or self._bg_unmaps) or self._failure is not None,
             _SETTLE_TIMEOUT,
@@ -726,15 +843,15 @@ class PageAllocator:
         """Raise the refill goal to twice ``n`` pages (within ``reserve_min`` ..
         ``reserve_max``) for ``demand_window`` seconds. Caller holds ``_lock``."""
         self._demand = n
-        self._demand_since = time.monotonic()
+        self._demand_since = self._clock()
         self._refill_goal = min(max(self._reserve_min, 2 * n), self._reserve_max)
 
     def _refill_target_locked(self) -> int:
         if self._refill_paused:
             return 0
-        if self._demand and time.monotonic() - self._demand_since > self._demand_window:
+        if self._demand and self._clock() - self._demand_since > self._demand_window:
             self._demand //= 2  # demand fell: the goal decays, one halving per window
-            self._demand_since = time.monotonic()
+            self._demand_since = self._clock()
             self._refill_goal = min(max(self._reserve_min, 2 * self._demand), self._reserve_max)
         return min(self._refill_goal, self._reserve_cap)
 
@@ -742,7 +859,7 @@ class PageAllocator:
         return max(self._refill_target_locked() - len(self._reserve), 0)
 
     def _refill_blocked_locked(self) -> bool:
-        return not self._free or time.monotonic() < self._retry_at
+        return not self._free or self._clock() < self._retry_at
 
     def _check_usable(self) -> None:
         if self._failure is not None:
@@ -755,14 +872,19 @@ class PageAllocator:
 
     def _fail_locked(self, reason: str, cause: BaseException | None = None) -> NoReturn:
         """Fail-stop: record why (the first reason wins), wake everyone, raise
-        ``PoolFailed``."""
+        ``PoolFailed``. Caller holds ``_lock``."""
+        self._record_failure_locked(reason, cause)
+        self._check_usable()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _record_failure_locked(self, reason: str, cause: BaseException | None) -> None:
+        """Fail-stop without raising: the first reason wins; everyone waiting wakes up.
+        Caller holds ``_lock``."""
         if self._failure is None:
             self._failure = reason
             self._failure_cause = cause
             self._wake.notify_all()
             self._settled.notify_all()
-        self._check_usable()
-        raise AssertionError("unreachable")  # pragma: no cover
 
     def _fail(self, reason: str, cause: BaseException | None = None) -> NoReturn:
         with self._lock:
@@ -848,12 +970,12 @@ class PageAllocator:
             self._free.extend(reversed(pages))
 
     def _unmap(self, pages: list[int]) -> bool:
-        """Unmap ``UNMAPPING`` pages (background thread only) and return their bytes.
+        """Unmap ``UNMAPPING`` pages (background rounds only) and return their bytes.
         ``False`` when the prepare failed and the pages went back to the reserve."""
         try:
             # not under _mapper_lock: the prepare waits for the device (mapper.py), and an
             # acquire mapping other pages on the engine's thread meanwhile must not wait too
-            self._calls_refill += 1  # written by this thread only
+            self._calls_refill += 1  # written by the one round running only
             self._mapper.prepare_unmap(pages)
         except PageQuarantined as exc:
             bad = _named_or_all(exc.page_ids, pages)
@@ -934,8 +1056,8 @@ class PageAllocator:
     def _trim_pool_locked(self) -> None:
         """Release the mapper's pooled handles and settle the charge. A failed release stays
         held (and charged) and is retried by the mapper later. Caller holds
-        ``_mapper_lock``."""
-        self._count_call(threading.current_thread() is self._thread)
+        ``_mapper_lock``; only background rounds call it."""
+        self._count_call(refill=True)
         try:
             self._mapper.trim_pool()
         except VmmError as exc:
@@ -954,15 +1076,17 @@ class PageAllocator:
             kept = [p for p in pages if p not in quarantined]
             self._move(kept, _UNMAPPING, _RESERVED)
             self._to_reserve(kept)
-            self._unmap_retry_at = time.monotonic() + self._unmap_backoff
+            self._unmap_retry_at = self._clock() + self._unmap_backoff
             self._unmap_backoff = min(2 * self._unmap_backoff, 20 * self._retry_interval)
 
-    # ------------------------------------------------------------------ background thread
+    # ------------------------------------------------------------------ background rounds
 
     def _run(self) -> None:
+        """The background thread: a round whenever there is work, or every
+        ``poll_interval``, until ``close`` or a failure."""
         try:
-            while self._round():
-                pass
+            while self._await_round():
+                self._work()
         except PoolFailed:
             pass  # recorded; every caller now sees it
         except BaseException as exc:  # pragma: no cover - defensive
@@ -972,8 +1096,9 @@ class PageAllocator:
                 self._busy = False
                 self._settled.notify_all()
 
-    def _round(self) -> bool:
-        """One round of background work. Returns ``False`` when the thread should stop."""
+    def _await_round(self) -> bool:
+        """Wait (background thread) until there is work or ``poll_interval`` passed, then
+        mark a round as running. ``False`` when the thread should stop instead."""
         with self._lock:
             while not self._stop and self._failure is None and not self._has_work_locked():
                 self._busy = False
@@ -984,6 +1109,11 @@ class PageAllocator:
                 return False
             self._busy = True
             self._kick = False
+            return True
+
+    def _work(self) -> None:
+        """One round of background work (module docstring), ``_busy`` set by the caller:
+        the background thread, or ``run_round``."""
         pb = self._page_bytes
         wanted = self._reserve_max + self._pooled  # idle pages: the reserve, then the pool
         allowed = max(self._gate.reserve_target(wanted * pb) // pb, 0)
@@ -1001,19 +1131,19 @@ class PageAllocator:
                     self._to_reserve(maps)
                     self._backoff = self._retry_interval
                     self._batch_limit = min(2 * self._batch_limit, self._refill_batch)
-                    self._settled_background_locked(maps=True)
+                    self._background_call_done_locked(maps=True)
             else:  # a miss: wait longer and ask for less next time
                 with self._lock:
-                    self._retry_at = time.monotonic() + self._backoff
+                    self._retry_at = self._clock() + self._backoff
                     self._backoff = min(2 * self._backoff, 20 * self._retry_interval)
                     self._batch_limit = max(len(maps) // 2, 1)
-                    self._settled_background_locked(maps=True)
+                    self._background_call_done_locked(maps=True)
         if unmaps:  # after the refill (module docstring)
             unmapped = self._unmap(unmaps)
             with self._lock:
                 if unmapped:
                     self._unmap_backoff = self._retry_interval
-                self._settled_background_locked(maps=False)
+                self._background_call_done_locked(maps=False)
         if trim_asked or (drop_pool and self._pooled > pool_keep):  # trim: retry releases too
             with self._mapper_lock:
                 self._trim_pool_locked()
@@ -1024,9 +1154,8 @@ class PageAllocator:
         with self._lock:
             self._rounds += 1
             self._settled.notify_all()
-        return True
 
-    def _settled_background_locked(self, *, maps: bool) -> None:
+    def _background_call_done_locked(self, *, maps: bool) -> None:
         """The background mapper call on ``_bg_maps`` (or ``_bg_unmaps``) is over: its pages
         are where it left them; wake an ``acquire`` waiting for them. Caller holds
         ``_lock``."""
@@ -1039,12 +1168,12 @@ class PageAllocator:
     def _has_work_locked(self) -> bool:
         if self._kick or self._trim_pool:
             return True
-        if self._unmap_pending_locked() and time.monotonic() >= self._unmap_retry_at:
+        if self._unmap_pending_locked() and self._clock() >= self._unmap_retry_at:
             return True
         return self._refill_deficit_locked() > 0 and not self._refill_blocked_locked()
 
     def _wait_timeout_locked(self) -> float:
-        now = time.monotonic()
+        now = self._clock()
         wait = self._poll_interval
         if self._refill_deficit_locked() > 0 and self._free and self._retry_at > now:
             wait = min(wait, self._retry_at - now)
@@ -1056,7 +1185,7 @@ class PageAllocator:
         """Pick this round's unmaps and maps and move their pages into flight."""
         reserve = self._reserve
         surplus = len(reserve) - self._reserve_cap
-        unmap_now = time.monotonic() >= self._unmap_retry_at
+        unmap_now = self._clock() >= self._unmap_retry_at
         if surplus > 0 and unmap_now:
             drop = reserve[:surplus]
             del reserve[:surplus]
@@ -1088,8 +1217,9 @@ class PageAllocator:
 
 
 _SETTLE_TIMEOUT = 30.0
-"""Seconds an ``acquire`` waits for the background thread's mapper calls at most (one call
-takes milliseconds; a driver that hangs longer turns the wait into a miss)."""
+"""Seconds (real time) an ``acquire`` waits for a background round's mapper calls at most:
+far beyond any healthy driver call, so only a driver that hangs turns the wait into a
+miss."""
 
 
 def _name(state: int) -> str:

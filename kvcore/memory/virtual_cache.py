@@ -5,21 +5,21 @@
 ``kvcore.memory.geometry``), maps a shared read-only *zero page* at every page slot, and hands out
 per-layer views ``view(layer, buffer, dtype=, block_shape=)`` of shape
 ``(num_blocks, *block_shape)`` whose ``data_ptr()`` never changes while the cache lives
-(DESIGN.md invariant 4: CUDA graphs capture these pointers).
+(invariant 4 of ``docs/architecture.md``: CUDA graphs capture these pointers).
 
 The zero page is one physical handle of ``zero_page_bytes`` mapped at every unbacked page
 slot (``page_bytes / zero_page_bytes`` mappings per slot), so a stray read (padding, the null
 block) returns zeros. Its size trades device memory for driver calls: every unmap and map of
 a page slot removes or re-creates its zero mappings, and each mapping costs a ``cuMemMap``
-plus its share of ``cuMemSetAccess`` (~40 us on an H200) or ``cuMemUnmap`` (~25 us) whatever
-its size. A one-granule zero page made a 10 GiB handoff of 128 MiB pages spend ~200 ms
-re-mapping 5,120 zero granules (GPU suite, commit a472e75). The default is therefore the
-largest size that divides ``page_bytes`` and is at most ``ZERO_PAGE_MAX_BYTES`` (128 MiB):
-one zero mapping per slot up to 128 MiB pages, at most ``range / 128 MiB`` mappings over a
-whole range, for one handle of up to 128 MiB of device memory per cache. Pass
-``zero_page_bytes=`` (a multiple of the granularity dividing ``page_bytes``) to trade the
-other way. The zero page is real device memory: ``LocalPageMapper.fixed_bytes`` reports it
-(``PageAllocator`` charges it to the memory gate by default).
+plus its share of ``cuMemSetAccess`` or ``cuMemUnmap``, whatever its size, so a small zero
+page multiplies the driver calls of every page transition by the granules in a page. The
+default is therefore the largest size that divides ``page_bytes`` and is at most
+``ZERO_PAGE_MAX_BYTES`` (128 MiB): one zero mapping per slot up to 128 MiB pages, at most
+``range / 128 MiB`` mappings over a whole range, for one handle of up to 128 MiB of device
+memory per cache. Pass ``zero_page_bytes=`` (a multiple of the granularity dividing
+``page_bytes``) to trade the other way. The zero page is real device memory:
+``LocalPageMapper.fixed_bytes`` reports it (``PageAllocator`` charges it to the memory gate
+by default).
 
 A write through an unbacked block is a bug: normally the zero page is read-only and the
 write faults (``SIGSEGV`` on ``host``, an illegal-address error on a GPU). With
@@ -43,7 +43,7 @@ from kvcore.errors import (
     VmmError,
     ZeroPageWritten,
 )
-from kvcore.memory._report import MAX_REPORTED, ranges_text
+from kvcore.memory._report import MAX_REPORTED, runs_text
 from kvcore.memory.geometry import KVGeometry
 
 if TYPE_CHECKING:
@@ -53,8 +53,9 @@ log = logging.getLogger(__name__)
 
 
 ZERO_PAGE_MAX_BYTES = 128 << 20
-"""Upper bound of the default zero page size (see the module docstring): on an H200 a
-handle of 128 MiB or more maps and set-accesses at under 1 us per 2 MiB."""
+"""Upper bound of the default zero page size (see the module docstring): large enough that a
+page slot of up to 128 MiB needs one zero mapping, small enough to be a modest fixed cost
+per cache."""
 
 
 def default_zero_page_bytes(page_bytes: int, granularity: int) -> int:
@@ -129,8 +130,9 @@ class VirtualKVCache:
         per-layer, a single range for compound."""
         self._zero: Handle | None = None
         self._probe_va = 0
-        self._reserved: list[tuple[int, int]] = []  # everything to free at close
-        reserved = self._reserved
+        # every VA reservation, the probe's included: what close frees
+        self._reservations: list[tuple[int, int]] = []
+        reserved = self._reservations
         try:
             if contiguous and n_ranges > 1:
                 whole = backend.reserve(size * n_ranges)
@@ -168,6 +170,7 @@ class VirtualKVCache:
 
     @property
     def num_pages(self) -> int:
+        """Page ids the ranges cover (``geometry.num_pages``)."""
         return self.geometry.num_pages
 
     def slots(self, page_id: int) -> list[tuple[int, int]]:
@@ -295,7 +298,7 @@ class VirtualKVCache:
         shown = ", ".join(f"L{ly}/B{k}/block {b}" for ly, k, b in candidates[:MAX_REPORTED])
         raise ZeroPageWritten(
             f"{len(offsets)} byte(s) written into the shared zero page at offsets "
-            f"{ranges_text(offsets)}; candidate (layer/buffer/block): {shown}"
+            f"{runs_text(offsets)}; candidate (layer/buffer/block): {shown}"
             + (" ..." if len(candidates) > MAX_REPORTED else ""),
             offsets=offsets,
             candidates=candidates,
@@ -368,7 +371,7 @@ class VirtualKVCache:
 
     def _teardown(self) -> None:
         errors: list[BaseException] = []
-        for va, size in self._reserved:
+        for va, size in self._reservations:
             try:
                 self.backend.unmap(va, size)
             except VmmError as err:
@@ -380,7 +383,7 @@ class VirtualKVCache:
                 self.backend.free_reservation(va, size)
             except VmmError as err:
                 errors.append(err)
-        self._reserved.clear()
+        self._reservations.clear()
         if self._zero is not None:
             try:
                 self.backend.release(self._zero)

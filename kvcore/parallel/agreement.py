@@ -108,9 +108,12 @@ class TorchGroupAgreement:
 
     @property
     def size(self) -> int:
+        """Ranks in the group."""
         return self._size
 
     def min(self, values: Sequence[int]) -> list[int]:
+        """The element-wise minimum of ``values`` over every rank (a collective: an
+        ``all_reduce``). Raises ``AgreementError`` when a peer is gone."""
         import torch
 
         t = torch.tensor(list(values), dtype=torch.int64)
@@ -243,10 +246,12 @@ class RoomLedger:
 
     @property
     def geometry(self) -> KVGeometry:
+        """``BlockLedger.geometry``."""
         return self._ledger.geometry
 
     @property
     def pages(self) -> PageAllocator:
+        """``BlockLedger.pages``: the rank-local page allocator."""
         return self._ledger.pages
 
     def alloc(self, n: int) -> list[int] | None:
@@ -278,21 +283,27 @@ class RoomLedger:
         return self.room.available(self.index)
 
     def used(self) -> int:
+        """``BlockLedger.used`` of this rank."""
         return self._ledger.used()
 
     def held_free(self) -> int:
+        """``BlockLedger.held_free`` of this rank."""
         return self._ledger.held_free()
 
     def page_of(self, block_id: int) -> int:
+        """``BlockLedger.page_of``."""
         return self._ledger.page_of(block_id)
 
     def is_allocated(self, block_id: int) -> bool:
+        """``BlockLedger.is_allocated`` on this rank."""
         return self._ledger.is_allocated(block_id)
 
     def eviction_order(self, candidates: Iterable[int]) -> list[int]:
+        """``BlockLedger.eviction_order`` on this rank."""
         return self._ledger.eviction_order(candidates)
 
     def close(self) -> None:
+        """``BlockLedger.close``: closes the rank-local page allocator."""
         self._ledger.close()
 
 

@@ -10,13 +10,14 @@ and makes it current on whichever thread calls it, once per thread, so the page 
 refill thread can call it as well as the scheduler thread.
 
 Hot path. ``create``, ``map``, ``set_access``, ``unmap`` and ``release`` are meant to cost
-no more than the bare driver call (the GPU suite's figure (a) holds them to 1.1x raw
-``cuda.bindings``): the allocation properties and both access descriptors are built once,
-the per-thread context check is one attribute read, handle objects are found without a lock,
-and an error's context (the call's arguments) is built only once the call failed.
+no more than the bare driver call: the allocation properties and both access descriptors
+are built once, the per-thread context check is one attribute read, handle objects are
+found without a lock, and an error's context (the call's arguments) is built only once the
+call failed.
 
-Physical memory is pinned device memory; the POSIX file-descriptor handle type is requested
-where the device supports it (so handles could be exported later). ``set_access(...,
+Physical memory is the driver's pinned device memory (``CU_MEM_ALLOCATION_TYPE_PINNED``);
+the POSIX file-descriptor handle type is requested where the device supports it (so
+handles could be exported later). ``set_access(...,
 writable=False)`` asks for ``CU_MEM_ACCESS_FLAGS_PROT_READ``; should a driver refuse
 read-only access to device memory, the backend falls back to read-write once, logs it, and
 reports it in ``read_only_supported`` (stray writes then land in the zero page, which the

@@ -16,7 +16,8 @@ not trust.
 It also keeps what tests need to prove that nothing leaked: ``live_handles`` (created and
 not released through this wrapper), ``mapped_ranges()``, and per-thread call counts
 (``calls(kind, thread=...)``), which the page allocator's tests use to show the allocating
-thread makes no driver call while the reserve covers demand.
+thread makes no driver call while the reserve (the allocator's idle mapped pages) covers
+demand.
 """
 
 from __future__ import annotations

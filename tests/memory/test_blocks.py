@@ -1,5 +1,6 @@
 """BlockLedger on the real host backend: placement, all-or-nothing, typed errors, eviction
-hint, and invariants 1 and 4 under a randomized engine-like workload."""
+hint, and invariants 1 and 4 under a randomized engine-like workload. The page allocator
+runs without its thread (``background=False``): ``pages.flush()`` runs its rounds."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def stack(backend: str) -> Iterator[MemStack]:
-    s = build_stack(backend, num_blocks=32, blocks_per_page=BPP)
+    s = build_stack(backend, num_blocks=32, blocks_per_page=BPP, background=False)
     yield s
     s.close()
 
@@ -74,7 +75,7 @@ def test_an_empty_page_goes_back_and_is_unmapped(stack: MemStack) -> None:
 
 def test_alloc_is_all_or_nothing_on_a_physical_miss(backend: str) -> None:
     gate = BudgetGate(limit=0)
-    stack = build_stack(backend, num_blocks=32, blocks_per_page=BPP, gate=gate)
+    stack = build_stack(backend, num_blocks=32, blocks_per_page=BPP, gate=gate, background=False)
     try:
         gate.limit = 2 * stack.pages.page_bytes
         ledger = stack.ledger()
@@ -92,7 +93,9 @@ def test_alloc_is_all_or_nothing_on_a_physical_miss(backend: str) -> None:
 
 
 def test_alloc_misses_when_the_device_runs_out_and_leaks_nothing(backend: str) -> None:
-    stack = build_stack(backend, num_blocks=32, blocks_per_page=BPP, device_pages=2)
+    stack = build_stack(
+        backend, num_blocks=32, blocks_per_page=BPP, device_pages=2, background=False
+    )
     try:
         ledger = stack.ledger()
         handles = set(stack.vmm.live_handles)
@@ -105,7 +108,7 @@ def test_alloc_misses_when_the_device_runs_out_and_leaks_nothing(backend: str) -
 
 
 def test_freeing_wrong_ids_raises_naming_the_id_and_changes_nothing(stack: MemStack) -> None:
-    ledger = stack.ledger(reserved_blocks=(0,))
+    ledger = stack.ledger(pinned=(0,))
     ids = ledger.alloc(3)
     assert ids is not None
     a, b, c = ids
@@ -113,7 +116,7 @@ def test_freeing_wrong_ids_raises_naming_the_id_and_changes_nothing(stack: MemSt
     cases = [
         ([a, never], f"block {never}: not allocated"),
         ([a, b, a], f"block {a}: not allocated \\(a double free, or named twice"),
-        ([0], "block 0: it is reserved"),
+        ([0], "block 0: it is pinned"),
         ([32], "block 32: out of range"),
         ([-1], "block -1: out of range"),
     ]
@@ -144,7 +147,7 @@ def test_a_large_free_checks_every_id_of_a_gapped_page_share(stack: MemStack) ->
 
 
 def test_a_large_free_of_one_contiguous_run_checks_every_id(stack: MemStack) -> None:
-    ledger = stack.ledger(reserved_blocks=(0,))
+    ledger = stack.ledger(pinned=(0,))
     ids = ledger.alloc(11)  # blocks 1..11: the rest of page 0 and two fresh pages
     assert ids is not None and sorted(ids) == list(range(1, 12))
     twice = [1, 2, 3, 4, 5, 5, 7, 8, 9, 10, 11]  # spans as many ids as it names: 6 left out
@@ -152,7 +155,7 @@ def test_a_large_free_of_one_contiguous_run_checks_every_id(stack: MemStack) -> 
         ledger.free(twice)
     assert ledger.used() == 12 and all(ledger.is_allocated(b) for b in range(12))
     ledger.free([6])
-    for bad, shown in ((6, "not allocated"), (0, "it is reserved"), (12, "not allocated")):
+    for bad, shown in ((6, "not allocated"), (0, "it is pinned"), (12, "not allocated")):
         run = sorted({*range(1, 12), bad} - ({6} if bad != 6 else set()))
         with pytest.raises(InvalidTransition, match=f"block {bad}: {shown}"):
             ledger.free(run)  # one run across three pages, one id in it not freeable
@@ -172,7 +175,7 @@ def test_alloc_from_partly_used_pages_makes_no_page_call_and_a_refused_page_chan
     when they do not suffice and the gate refuses the fresh page, the slow path misses with
     every partly used block still free, and the fast path then hands out exactly those."""
     gate = BudgetGate(limit=0)
-    stack = build_stack(backend, num_blocks=32, blocks_per_page=BPP, gate=gate)
+    stack = build_stack(backend, num_blocks=32, blocks_per_page=BPP, gate=gate, background=False)
     try:
         gate.limit = 2 * stack.pages.page_bytes
         ledger = stack.ledger()
@@ -198,7 +201,7 @@ def test_alloc_from_partly_used_pages_makes_no_page_call_and_a_refused_page_chan
 
 
 def test_free_range_frees_a_run_across_pages_like_free(stack: MemStack) -> None:
-    ledger = stack.ledger(reserved_blocks=(0,))
+    ledger = stack.ledger(pinned=(0,))
     ids = ledger.alloc(14)  # blocks 1..14: the rest of page 0, pages 1 and 2, half of page 3
     assert ids is not None and sorted(ids) == list(range(1, 15))
     ledger.free_range(2, 9)  # 2..10: page 0 partly, page 1 whole, page 2 partly
@@ -218,13 +221,13 @@ def test_free_range_frees_a_run_across_pages_like_free(stack: MemStack) -> None:
 def test_free_range_with_an_id_not_freeable_raises_naming_it_and_changes_nothing(
     stack: MemStack,
 ) -> None:
-    ledger = stack.ledger(reserved_blocks=(0,))
+    ledger = stack.ledger(pinned=(0,))
     ids = ledger.alloc(11)
     assert ids is not None and sorted(ids) == list(range(1, 12))
     ledger.free([6])
     cases = [
         ((1, 11), "block 6: not allocated"),  # a freed id inside the run
-        ((0, 4), "block 0: it is reserved"),
+        ((0, 4), "block 0: it is pinned"),
         ((9, 4), "block 12: not allocated"),  # runs past the allocated blocks
         ((32, 2), "block 32: out of range"),
         ((-1, 3), "block -1: out of range"),
@@ -241,8 +244,8 @@ def test_free_range_with_an_id_not_freeable_raises_naming_it_and_changes_nothing
     assert ledger.used() == 1 and stack.pages.stats().in_use == 1
 
 
-def test_reserved_blocks_keep_their_page_mapped_for_good(stack: MemStack) -> None:
-    ledger = stack.ledger(reserved_blocks=(0,))
+def test_pinned_blocks_keep_their_page_mapped_for_good(stack: MemStack) -> None:
+    ledger = stack.ledger(pinned=(0,))
     assert stack.pages.state(0) is PageState.IN_USE and 0 in stack.mapped_pages()
     assert ledger.used() == 1 and ledger.is_allocated(0)
     ids = ledger.alloc(3)  # the three other slots of page 0 first
@@ -253,7 +256,9 @@ def test_reserved_blocks_keep_their_page_mapped_for_good(stack: MemStack) -> Non
 
 
 def test_the_short_last_page_of_the_geometry_is_used_and_given_back(backend: str) -> None:
-    stack = build_stack(backend, num_blocks=10, blocks_per_page=BPP)  # pages of 4, 4 and 2 blocks
+    stack = build_stack(
+        backend, num_blocks=10, blocks_per_page=BPP, background=False
+    )  # pages of 4, 4 and 2 blocks
     try:
         ledger = stack.ledger()
         everything = ledger.alloc(10)
@@ -300,13 +305,13 @@ def test_a_fenced_free_keeps_the_page_mapped_until_retired(stack: MemStack) -> N
 
 
 def test_the_ledger_refuses_an_allocator_smaller_than_its_geometry(backend: str) -> None:
-    small = build_stack(backend, num_blocks=8, blocks_per_page=BPP)
-    big = build_stack(backend, num_blocks=32, blocks_per_page=BPP)
+    small = build_stack(backend, num_blocks=8, blocks_per_page=BPP, background=False)
+    big = build_stack(backend, num_blocks=32, blocks_per_page=BPP, background=False)
     try:
         with pytest.raises(GeometryError, match="covers 2 pages"):
             BlockLedger(big.geometry, small.pages)
-        with pytest.raises(InvalidTransition, match="reserved blocks"):
-            BlockLedger(small.geometry, small.pages, reserved_blocks=(8,))
+        with pytest.raises(InvalidTransition, match="pinned blocks"):
+            BlockLedger(small.geometry, small.pages, pinned_blocks=(8,))
     finally:
         small.close()
         big.close()
@@ -331,9 +336,11 @@ def test_alloc_runs_hands_out_the_blocks_alloc_would(backend: str) -> None:
     """Twin ledgers driven alike: ``alloc_runs`` names the same blocks as ``alloc`` (fresh
     pages as whole runs, partly used pages' free blocks merged into runs), ascending and
     not adjacent; ``free_runs`` in any order frees what ``free`` does."""
-    stacks = [build_stack(backend, num_blocks=32, blocks_per_page=BPP) for _ in range(2)]
+    stacks = [
+        build_stack(backend, num_blocks=32, blocks_per_page=BPP, background=False) for _ in range(2)
+    ]
     try:
-        plain, by_runs = (s.ledger(reserved_blocks=(0,)) for s in stacks)
+        plain, by_runs = (s.ledger(pinned=(0,)) for s in stacks)
         for n, victims in [(13, [3, 4, 9, 12]), (6, [1, 2, 5, 6, 7, 8]), (9, []), (5, [])]:
             ids = plain.alloc(n)
             runs = by_runs.alloc_runs(n)
@@ -356,13 +363,13 @@ def test_alloc_runs_hands_out_the_blocks_alloc_would(backend: str) -> None:
 
 
 def test_free_runs_is_all_or_nothing_and_names_the_id(stack: MemStack) -> None:
-    ledger = stack.ledger(reserved_blocks=(0,))
+    ledger = stack.ledger(pinned=(0,))
     assert ledger.alloc_runs(15) == [(1, 15)]  # the rest of page 0 and three fresh pages
     ledger.free_runs([(6, 1)])
     cases = [
         ([(1, 3), (5, 3)], "block 6: not allocated"),  # a freed id inside a run
         ([(1, 3), (2, 2)], "block 2: not allocated .*named twice"),  # overlapping runs
-        ([(8, 2), (0, 2)], "block 0: it is reserved"),
+        ([(8, 2), (0, 2)], "block 0: it is pinned"),
         ([(12, 2), (15, 2)], "block 16: not allocated"),
         ([(1, 2), (32, 2)], "block 32: out of range"),
         ([(-1, 2), (3, 1)], "block -1: out of range"),
@@ -411,10 +418,11 @@ def test_blocks_in_use_stay_mapped_and_keep_their_data(
         gate=gate,
         reserve_min=reserve[0],
         reserve_max=reserve[1],
+        background=False,  # the "flush" op runs the background rounds
     )
     gate.limit = 8 * stack.pages.page_bytes
     try:
-        ledger = stack.ledger(reserved_blocks=(0,))
+        ledger = stack.ledger(pinned=(0,))
         views = [stack.block_bytes_view(layer, buf) for layer in range(2) for buf in range(2)]
         pointers = [v.data_ptr() for v in views]
         live: list[int] = []
@@ -507,12 +515,12 @@ def test_large_alloc_and_free_keep_placement_checks_and_pages_exact(
     ascending, non-adjacent runs) fills partly used pages before fresh ones, fullest first;
     free of many ids (shuffled, sorted, contiguous or not, as runs in any order) empties
     exactly the pages left without an allocated block; a bad id anywhere in a large free
-    (double, never allocated, reserved, out of range, named twice; as ids or as runs) raises
-    naming it with nothing changed. Reserved block 0 and a short last page are in play."""
+    (double, never allocated, pinned, out of range, named twice; as ids or as runs) raises
+    naming it with nothing changed. Pinned block 0 and a short last page are in play."""
     num_blocks = 12 * bpp - (bpp // 2 if short else 0)
-    stack = build_stack("host", num_blocks=num_blocks, blocks_per_page=bpp)
+    stack = build_stack("host", num_blocks=num_blocks, blocks_per_page=bpp, background=False)
     try:
-        ledger = stack.ledger(reserved_blocks=(0,))
+        ledger = stack.ledger(pinned=(0,))
         geometry = stack.geometry
         allocated: set[int] = set()
 
@@ -579,7 +587,7 @@ def test_large_alloc_and_free_keep_placement_checks_and_pages_exact(
                     shown = "named twice"
                     assert ids.count(bad) == 2
                 else:
-                    shown = "reserved" if bad == 0 else "range" if bad in (-1, num_blocks) else ""
+                    shown = "pinned" if bad == 0 else "range" if bad in (-1, num_blocks) else ""
                 with pytest.raises(InvalidTransition, match=f"block {bad}: .*{shown}") as err:
                     if rnd.random() < 0.5:
                         ledger.free(ids)
@@ -606,7 +614,9 @@ def test_available_under_a_budget_counts_the_short_last_page_for_what_it_holds()
     allocation gets the reserve's short page plus one mapped page, 6 blocks, not the 8 two
     whole pages would hold. ``available()`` must say 6, and 6 must be allocatable."""
     gate = BudgetGate(1 << 40)
-    stack = build_stack("host", num_blocks=14, blocks_per_page=4, reserve_max=1, gate=gate)
+    stack = build_stack(
+        "host", num_blocks=14, blocks_per_page=4, reserve_max=1, gate=gate, background=False
+    )
     try:
         ledger = stack.ledger()
         everything = ledger.alloc(14)
@@ -626,9 +636,9 @@ def test_available_under_a_budget_counts_the_short_last_page_for_what_it_holds()
 
 
 def test_available_without_a_budget_is_exact_with_a_short_last_page() -> None:
-    stack = build_stack("host", num_blocks=14, blocks_per_page=4)
+    stack = build_stack("host", num_blocks=14, blocks_per_page=4, background=False)
     try:
-        ledger = stack.ledger(reserved_blocks=(0,))
+        ledger = stack.ledger(pinned=(0,))
         assert ledger.available() == 13
         assert ledger.alloc(13) is not None and ledger.available() == 0
     finally:

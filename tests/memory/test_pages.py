@@ -1,21 +1,24 @@
-"""PageAllocator on the real host backend: states, reserve, gate, faults, fences, fail-stop."""
+"""PageAllocator on the real host backend: states, reserve, gate, faults, fences, fail-stop.
+
+Most tests build the allocator without its background thread (``background=False``): they
+run its rounds themselves (``run_round``, ``flush``) and move a fake clock past back-offs
+and demand windows. The tests about the thread itself (it maps and unmaps off the caller's
+thread; a caller waits for the pages it has in flight) keep it and wait on events.
+"""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-import kvcore.budget.ledger as gpu_ledger
-from kvcore.budget.gate import BudgetGate, UnlimitedGate
-from kvcore.budget.ledger import GpuLedger, LedgerGate
+from kvcore.budget import DIR_ENV, GROUP_ENV, BudgetGate, GpuLedger, LedgerGate, UnlimitedGate
 from kvcore.errors import InvalidTransition, LedgerError, PoolFailed
-from kvcore.memory.pages import TRANSITIONS, PageAllocator, PageState
-from tests.memstack import BACKENDS, MemStack, build_stack
+from kvcore.memory.pages import BACKGROUND_THREAD_NAME, TRANSITIONS, PageAllocator, PageState
+from tests.memstack import BACKENDS, WAIT_TIMEOUT, FakeClock, MemStack, build_stack
 
 S = PageState
 
@@ -27,9 +30,14 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def stack(backend: str) -> Iterator[MemStack]:
-    s = build_stack(backend, reserve_max=2)
+    s = build_stack(backend, reserve_max=2, background=False)
     yield s
     s.close()
+
+
+def clock_of(stack: MemStack) -> FakeClock:
+    assert stack.clock is not None, "built with background=False"
+    return stack.clock
 
 
 def states(stack: MemStack, ids: list[int]) -> list[PageState]:
@@ -87,7 +95,7 @@ def test_illegal_transitions_raise_naming_the_page_and_change_nothing(stack: Mem
 
 
 def test_the_transition_table_is_the_design_state_machine() -> None:
-    # DESIGN.md section 5: free -> mapped(in use) -> reserved -> unmapped, plus quarantine
+    # free -> mapped (in use) -> in the reserve -> unmapped, plus quarantine
     assert (S.FREE, S.IN_USE) not in TRANSITIONS  # a page is mapped before it is in use
     assert (S.RESERVED, S.FREE) not in TRANSITIONS  # unmapping goes through UNMAPPING
     assert (S.IN_USE, S.FREE) not in TRANSITIONS
@@ -129,7 +137,7 @@ def test_the_refill_target_follows_a_burst_then_decays(backend: str) -> None:
     """A burst of 3 raises the refill target to two bursts' worth (6, within reserve_max):
     the next burst of that size comes from the reserve, with no driver call on the caller.
     Once ``demand_window`` has passed without such a burst the target falls back."""
-    stack = build_stack(backend, reserve_min=1, reserve_max=8, demand_window=60.0)
+    stack = build_stack(backend, reserve_min=1, reserve_max=8, demand_window=60.0, background=False)
     try:
         assert stack.pages.flush() and stack.pages.stats().reserved == 1
         first = stack.pages.acquire(3)  # beyond the reserve: 2 mapped on this thread
@@ -139,23 +147,18 @@ def test_the_refill_target_follows_a_burst_then_decays(backend: str) -> None:
         again = stack.pages.acquire(3)
         assert again is not None and stack.pages.stats().caller_mapper_calls == 1
         assert stack.pages.flush() and stack.pages.stats().reserved == 6
-    finally:
-        stack.close()
-    stack = build_stack(backend, reserve_min=1, reserve_max=8, demand_window=0.01)
-    try:
-        assert stack.pages.flush()
-        ids = stack.pages.acquire(3)
-        assert ids is not None and stack.pages.flush()
-        time.sleep(0.05)  # the window passed: the next round halves the demand (target <= 2)
+        clock_of(stack).advance(59.0)  # still inside the window: refilled to the target
         assert stack.pages.acquire(1) is not None
-        assert stack.pages.flush()
-        assert stack.pages.stats().reserved < 6  # not refilled to the old target
+        assert stack.pages.flush() and stack.pages.stats().reserved == 6
+        clock_of(stack).advance(2.0)  # the window passed: the demand halves (target 2)
+        assert stack.pages.acquire(1) is not None
+        assert stack.pages.flush() and stack.pages.stats().reserved == 5  # not refilled
     finally:
         stack.close()
 
 
 def test_a_reserve_shortfall_maps_on_the_calling_thread(backend: str) -> None:
-    stack = build_stack(backend, reserve_min=1, reserve_max=1)
+    stack = build_stack(backend, reserve_min=1, reserve_max=1, background=False)
     try:
         assert stack.pages.flush()
         ids = stack.pages.acquire(3)
@@ -168,7 +171,7 @@ def test_a_reserve_shortfall_maps_on_the_calling_thread(backend: str) -> None:
 
 def test_gate_refusal_is_a_miss_with_nothing_mapped(backend: str) -> None:
     gate = BudgetGate(limit=0)
-    stack = build_stack(backend, gate=gate)
+    stack = build_stack(backend, gate=gate, background=False)
     try:
         gate.limit = 2 * stack.pages.page_bytes
         assert stack.pages.acquire(3) is None
@@ -185,7 +188,7 @@ def test_gate_refusal_is_a_miss_with_nothing_mapped(backend: str) -> None:
 
 def test_the_zero_page_is_charged_from_construction_to_close_by_default(backend: str) -> None:
     gate = UnlimitedGate()
-    stack = build_stack(backend, gate=gate, charge_fixed_bytes=None)  # PageAllocator's default
+    stack = build_stack(backend, gate=gate, charge_fixed_bytes=None, background=False)
     zero = stack.cache.zero_page_bytes
     try:
         assert zero > 0 and stack.mapper.fixed_bytes == zero
@@ -203,9 +206,9 @@ def test_the_zero_page_is_charged_from_construction_to_close_by_default(backend:
 def test_a_gate_without_room_for_the_zero_page_refuses_the_allocator(backend: str) -> None:
     gate = BudgetGate(limit=0)
     with pytest.raises(PoolFailed, match="zero page"):
-        build_stack(backend, gate=gate, charge_fixed_bytes=True)
+        build_stack(backend, gate=gate, charge_fixed_bytes=True, background=False)
     assert gate.held == 0
-    stack = build_stack(backend, gate=gate, charge_fixed_bytes=False)  # opted out: uncharged
+    stack = build_stack(backend, gate=gate, charge_fixed_bytes=False, background=False)
     try:
         assert gate.held == 0
     finally:
@@ -213,28 +216,33 @@ def test_a_gate_without_room_for_the_zero_page_refuses_the_allocator(backend: st
 
 
 def test_the_refill_maps_in_batches_and_each_joins_the_reserve(backend: str) -> None:
-    stack = build_stack(backend, reserve_min=10, reserve_max=10, refill_batch=3)
+    stack = build_stack(backend, reserve_min=10, reserve_max=10, refill_batch=3, background=False)
     try:
+        reserved = []
+        for more in (True, True, True, False):  # 3 + 3 + 3 + 1 pages, one mapper call each
+            assert stack.pages.run_round() is more
+            reserved.append(stack.pages.stats().reserved)
+        assert reserved == [3, 6, 9, 10]
         assert stack.pages.flush()
         st = stack.pages.stats()
         assert st.reserved == 10
-        assert st.refill_mapper_calls == 4  # 3 + 3 + 3 + 1 pages
+        assert st.refill_mapper_calls == 4
         assert len(stack.mapped_pages()) == 10
     finally:
         stack.close()
 
 
 def test_refill_batch_must_be_positive(backend: str) -> None:
-    stack = build_stack(backend)
+    stack = build_stack(backend, background=False)
     try:
         with pytest.raises(ValueError, match="refill_batch"):
-            PageAllocator(stack.mapper, refill_batch=0)
+            PageAllocator(stack.mapper, refill_batch=0, background=False)
     finally:
         stack.close()
 
 
 def test_out_of_device_memory_is_a_miss_and_leaks_nothing(backend: str) -> None:
-    stack = build_stack(backend, device_pages=3)
+    stack = build_stack(backend, device_pages=3, background=False)
     try:
         handles = set(stack.vmm.live_handles)  # the zero page
         assert stack.pages.acquire(4) is None
@@ -247,15 +255,23 @@ def test_out_of_device_memory_is_a_miss_and_leaks_nothing(backend: str) -> None:
         stack.close()
 
 
-def test_refill_thread_backs_off_on_out_of_device_memory(backend: str) -> None:
-    # a long back-off: the halved retry (2 pages, which fit) must not run before the
-    # assertions below, however loaded the machine is
-    stack = build_stack(backend, device_pages=2, reserve_min=4, reserve_max=4, retry_interval=60)
+def test_the_refill_backs_off_on_out_of_device_memory_then_maps_half(backend: str) -> None:
+    stack = build_stack(
+        backend, device_pages=2, reserve_min=4, reserve_max=4, retry_interval=1.0, background=False
+    )
     try:
-        assert stack.pages.flush()
+        assert stack.pages.flush()  # settled: the refill is blocked by its back-off
         st = stack.pages.stats()
         assert st.reserved == 0 and st.free == stack.pages.num_pages  # a batch of 4 missed
-        assert stack.pages.acquire(2) is not None  # the calling thread still gets what fits
+        assert st.refill_mapper_calls == 1
+        clock_of(stack).advance(0.5)
+        assert not stack.pages.run_round()  # within the back-off: no retry
+        assert stack.pages.stats().refill_mapper_calls == 1
+        clock_of(stack).advance(0.5)
+        stack.pages.run_round()  # the retry asks for half: 2 pages, which fit
+        st = stack.pages.stats()
+        assert (st.reserved, st.refill_mapper_calls) == (2, 2)
+        assert stack.pages.acquire(2) is not None  # from the reserve
         assert not stack.pages.stats().failed
     finally:
         stack.close()
@@ -287,15 +303,18 @@ def test_a_failed_rollback_quarantines_the_page_and_capacity_shrinks(stack: MemS
 
 
 def test_unmap_failing_keeps_the_page_mapped_and_a_later_round_unmaps_it(backend: str) -> None:
-    stack = build_stack(backend, reserve_max=0)
+    stack = build_stack(backend, reserve_max=0, background=False)
     try:
         ids = stack.pages.acquire(1)
         assert ids is not None
         stack.vmm.fail("unmap")  # the background prepare_unmap fails and is rolled back
         stack.pages.release(ids)
-        assert stack.pages.flush()
+        assert not stack.pages.flush()  # the retry waits for retry_interval
         assert stack.vmm.injected == 1
-        assert stack.pages.state(ids[0]) is S.FREE  # retried after retry_interval
+        assert stack.pages.state(ids[0]) is S.RESERVED and ids[0] in stack.mapped_pages()
+        clock_of(stack).advance(0.01)
+        assert stack.pages.flush()
+        assert stack.pages.state(ids[0]) is S.FREE
         assert stack.mapped_pages() == set()
         st = stack.pages.stats()
         assert (st.quarantined, st.mapped, st.failed) == (0, 0, False)
@@ -304,18 +323,28 @@ def test_unmap_failing_keeps_the_page_mapped_and_a_later_round_unmaps_it(backend
 
 
 def test_a_persistently_failing_unmap_is_retried_with_backoff_not_in_a_spin(backend: str) -> None:
-    stack = build_stack(backend, reserve_max=0)
+    stack = build_stack(backend, reserve_max=0, background=False)
+    clock = clock_of(stack)
     try:
         ids = stack.pages.acquire(1)
         assert ids is not None
         stack.vmm.fail("unmap", times=10_000)
         stack.vmm.reset_counts()
         stack.pages.release(ids)
-        assert not stack.pages.flush(timeout=0.5)  # it cannot settle, and says so
-        # retry_interval 10 ms doubling to 200 ms: a handful of attempts in 0.5 s, not a spin
-        assert 2 <= stack.vmm.calls("unmap") <= 12
-        assert stack.pages.state(ids[0]) in (S.RESERVED, S.UNMAP_QUEUED, S.UNMAPPING)
+        assert not stack.pages.flush()  # it cannot settle, and says so
+        per_attempt = stack.vmm.calls("unmap")
+        assert per_attempt > 0
+        # retry_interval (10 ms) doubles per failure up to 20x: each retry waits that long
+        for attempt, wait in enumerate((0.01, 0.02, 0.04, 0.08, 0.16, 0.2, 0.2), start=2):
+            clock.advance(wait / 2)
+            assert not stack.pages.run_round()  # within the back-off: not tried again
+            assert stack.vmm.calls("unmap") == (attempt - 1) * per_attempt
+            clock.advance(wait / 2 + 1e-6)
+            assert not stack.pages.run_round()  # tried once more, and failed again
+            assert stack.vmm.calls("unmap") == attempt * per_attempt
+            assert stack.pages.state(ids[0]) is S.RESERVED
         stack.vmm.clear()
+        clock.advance(0.2)
         assert stack.pages.flush()
         assert stack.pages.state(ids[0]) is S.FREE and stack.mapped_pages() == set()
     finally:
@@ -323,7 +352,7 @@ def test_a_persistently_failing_unmap_is_retried_with_backoff_not_in_a_spin(back
 
 
 def test_handle_release_failing_after_unmap_frees_the_page_and_leaks_nothing(backend: str) -> None:
-    stack = build_stack(backend, reserve_max=0)
+    stack = build_stack(backend, reserve_max=0, background=False)
     try:
         ids = stack.pages.acquire(1)
         assert ids is not None
@@ -400,14 +429,14 @@ def test_a_release_behind_a_fence_already_retired_is_not_held_back(stack: MemSta
     assert stack.pages.retire(10) == 0
     stack.pages.release(ids[:1], fence=10)  # step 10 has finished: nothing can read it
     stack.pages.release(ids[1:], fence=11)
-    assert stack.pages.state(ids[0]) in (S.RESERVED, S.UNMAP_QUEUED, S.FREE)
+    assert stack.pages.state(ids[0]) is S.RESERVED
     assert stack.pages.state(ids[1]) is S.FENCED
     assert stack.pages.retire(11) == 1
 
 
 def test_trim_drops_the_reserve_until_demand_returns(backend: str) -> None:
     gate = UnlimitedGate()
-    stack = build_stack(backend, gate=gate, reserve_min=2, reserve_max=3)
+    stack = build_stack(backend, gate=gate, reserve_min=2, reserve_max=3, background=False)
     try:
         assert stack.pages.flush() and stack.pages.stats().reserved == 2
         assert stack.pages.trim() == 2
@@ -431,12 +460,12 @@ class _OnePageReserve(UnlimitedGate):
 
 def test_the_gate_reserve_target_caps_the_reserve(backend: str) -> None:
     gate = _OnePageReserve()
-    stack = build_stack(backend, gate=gate, reserve_max=4)
+    stack = build_stack(backend, gate=gate, reserve_max=4, background=False)
     try:
         gate.page_bytes = stack.pages.page_bytes
         ids = stack.pages.acquire(3)
         assert ids is not None
-        assert stack.pages.flush()  # the thread read the gate's target
+        assert stack.pages.flush()  # a round read the gate's target
         stack.pages.release(ids)
         assert stack.pages.flush()
         st = stack.pages.stats()
@@ -447,7 +476,7 @@ def test_the_gate_reserve_target_caps_the_reserve(backend: str) -> None:
 
 
 def test_available_counts_reserve_free_pages_and_gate_headroom(backend: str) -> None:
-    stack = build_stack(backend, reserve_max=2)
+    stack = build_stack(backend, reserve_max=2, background=False)
     try:
         n = stack.pages.num_pages
         assert stack.pages.available() == n
@@ -461,7 +490,7 @@ def test_available_counts_reserve_free_pages_and_gate_headroom(backend: str) -> 
 
 def test_close_unmaps_everything_and_returns_every_byte_to_the_gate(backend: str) -> None:
     gate = UnlimitedGate()
-    stack = build_stack(backend, gate=gate, reserve_min=2, reserve_max=2)
+    stack = build_stack(backend, gate=gate, reserve_min=2, reserve_max=2, background=False)
     assert stack.pages.flush()
     ids = stack.pages.acquire(5)
     assert ids is not None
@@ -510,15 +539,53 @@ def test_concurrent_acquire_and_release_keep_the_books_straight(backend: str) ->
 
 
 def test_bounds_are_checked(backend: str) -> None:
-    stack = build_stack(backend)
+    stack = build_stack(backend, background=False)
     try:
         with pytest.raises(ValueError, match="reserve_min"):
-            PageAllocator(stack.mapper, reserve_min=3, reserve_max=2)
+            PageAllocator(stack.mapper, reserve_min=3, reserve_max=2, background=False)
         with pytest.raises(ValueError):
             stack.pages.acquire(-1)
         assert stack.pages.acquire(0) == []
     finally:
         stack.close()
+
+
+class _BrokenTarget(UnlimitedGate):
+    """A gate whose ``reserve_target`` raises (its books went away)."""
+
+    broken = False
+
+    def reserve_target(self, wanted: int) -> int:
+        if self.broken:
+            raise LedgerError("record removed under the gate")
+        return wanted
+
+
+def test_run_round_is_for_an_allocator_without_its_thread(backend: str) -> None:
+    threaded = build_stack(backend)
+    try:
+        with pytest.raises(RuntimeError, match="background=False"):
+            threaded.pages.run_round()
+    finally:
+        threaded.close()
+    gate = _BrokenTarget()
+    stack = build_stack(backend, gate=gate, reserve_min=1, reserve_max=1, background=False)
+    try:
+        assert stack.pages.stats().reserved == 0  # nothing runs until the test says so
+        assert not stack.pages.run_round()
+        assert stack.pages.stats().reserved == 1
+        gate.broken = True
+        with pytest.raises(PoolFailed, match="record removed") as err:
+            stack.pages.run_round()  # a round that fails fails the allocator
+        assert isinstance(err.value.__cause__, LedgerError)
+        with pytest.raises(PoolFailed):
+            stack.pages.acquire(1)
+    finally:
+        stack.close()
+    closed = build_stack(backend, background=False)
+    closed.close()
+    with pytest.raises(PoolFailed, match="closed"):
+        closed.pages.run_round()
 
 
 # -- the gate is charged for exactly what the device holds ----------------------------------
@@ -534,7 +601,7 @@ def test_pooled_handles_stay_charged_and_a_map_from_the_pool_charges_nothing(
     backend: str,
 ) -> None:
     gate = BudgetGate(limit=0)
-    stack = build_stack(backend, gate=gate, pool_pages=2)
+    stack = build_stack(backend, gate=gate, pool_pages=2, background=False)
     pb = stack.pages.page_bytes
     gate.limit = 3 * pb
     try:
@@ -558,7 +625,9 @@ def test_pooled_handles_stay_charged_and_a_map_from_the_pool_charges_nothing(
 
 def test_trim_releases_the_pool_and_its_charge(backend: str) -> None:
     gate = UnlimitedGate()
-    stack = build_stack(backend, gate=gate, pool_pages=2, reserve_min=1, reserve_max=2)
+    stack = build_stack(
+        backend, gate=gate, pool_pages=2, reserve_min=1, reserve_max=2, background=False
+    )
     try:
         ids = stack.pages.acquire(4)
         assert ids is not None
@@ -586,7 +655,7 @@ class _NoIdleMemory(UnlimitedGate):
 
 def test_a_lowered_reserve_target_drops_the_pool_too(backend: str) -> None:
     gate = _NoIdleMemory()
-    stack = build_stack(backend, gate=gate, pool_pages=2)
+    stack = build_stack(backend, gate=gate, pool_pages=2, background=False)
     try:
         ids = stack.pages.acquire(2)
         assert ids is not None
@@ -602,7 +671,7 @@ def test_a_lowered_reserve_target_drops_the_pool_too(backend: str) -> None:
 
 def test_a_handle_whose_release_failed_stays_charged_until_released(backend: str) -> None:
     gate = UnlimitedGate()
-    stack = build_stack(backend, gate=gate)
+    stack = build_stack(backend, gate=gate, background=False)
     try:
         ids = stack.pages.acquire(2)
         assert ids is not None
@@ -623,7 +692,7 @@ def test_a_handle_whose_release_failed_stays_charged_until_released(backend: str
 
 def test_a_quarantined_page_stays_charged_for_the_memory_it_holds(backend: str) -> None:
     gate = UnlimitedGate()
-    stack = build_stack(backend, gate=gate, pool_pages=1)
+    stack = build_stack(backend, gate=gate, pool_pages=1, background=False)
     try:
         stack.vmm.fail("map", nth=2, times=2)  # page 2's map and its rollback both fail
         assert stack.pages.acquire(2) is None
@@ -643,13 +712,13 @@ def test_two_instances_on_one_ledger_never_hold_more_than_the_budget(
 ) -> None:
     """The per-GPU ledger must see pooled handles: instance a's pool is device memory that
     instance b cannot have."""
-    monkeypatch.setenv(gpu_ledger.DIR_ENV, str(tmp_path))
-    monkeypatch.delenv(gpu_ledger.GROUP_ENV, raising=False)
+    monkeypatch.setenv(DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(GROUP_ENV, raising=False)
     ledger = GpuLedger.open("GPU-pages-test", device_total=1 << 30)
     stacks: list[MemStack] = []
     try:
         gates = [LedgerGate(ledger, name=n, engine="test") for n in ("a", "b")]
-        stacks = [build_stack("host", gate=g, pool_pages=2) for g in gates]
+        stacks = [build_stack("host", gate=g, pool_pages=2, background=False) for g in gates]
         a, b = stacks
         pb = a.pages.page_bytes
         ledger.set_budget(4 * pb)
@@ -686,7 +755,7 @@ class _BrokenGate(UnlimitedGate):
 
 def test_a_failing_gate_fails_the_allocator_and_strands_no_page(backend: str) -> None:
     gate = _BrokenGate()
-    stack = build_stack(backend, gate=gate)
+    stack = build_stack(backend, gate=gate, background=False)
     try:
         ids = stack.pages.acquire(1)
         assert ids is not None
@@ -702,14 +771,14 @@ def test_a_failing_gate_fails_the_allocator_and_strands_no_page(backend: str) ->
         stack.close()  # unmaps everything; asserts no handle is left
 
 
-# -- pages in flight on the background thread are capacity, not a miss (issue 18) ---------
+# -- pages in flight on the background thread are capacity, not a miss --------------------
 
 
 def _acquire_while_held(stack: MemStack, n: int) -> list[int] | None:
     """``acquire(n)`` on another thread while the background thread is held inside a mapper
-    call; the hold is lifted only if that acquire is still waiting for it after a while, so
-    an acquire that gives up on pages in flight is seen to return at once."""
-    assert stack.hold is not None and stack.hold.entered.wait(10.0)
+    call; the hold is lifted once that acquire waits for it (or has returned without
+    waiting), so an acquire that gives up on pages in flight is seen to return a miss."""
+    assert stack.hold is not None and stack.hold.entered.wait(WAIT_TIMEOUT)
     result: list[int] | None = stack.hold.call_past(lambda: stack.pages.acquire(n))
     return result
 
@@ -725,7 +794,7 @@ def test_an_acquire_waits_for_pages_being_unmapped_instead_of_missing(backend: s
         assert stack.hold is not None
         stack.hold.armed = True
         stack.pages.release(ids)  # no reserve: all of them queue for the background unmap
-        assert stack.hold.entered.wait(10.0)
+        assert stack.hold.entered.wait(WAIT_TIMEOUT)
         assert stack.pages.state(ids[0]) is S.UNMAPPING
         assert stack.pages.available() == n
         again = _acquire_while_held(stack, n)
@@ -745,7 +814,7 @@ def test_an_acquire_waits_for_the_refill_it_woke(backend: str) -> None:
         stack.hold.armed = True
         first = stack.pages.acquire(2)  # the reserve's page + one mapped here
         assert first is not None
-        assert stack.hold.entered.wait(10.0)  # the refill is mapping one of the two left
+        assert stack.hold.entered.wait(WAIT_TIMEOUT)  # the refill maps one of the two left
         assert stack.pages.available() == 2
         second = _acquire_while_held(stack, 2)
         assert second is not None and not set(first) & set(second)
@@ -755,7 +824,7 @@ def test_an_acquire_waits_for_the_refill_it_woke(backend: str) -> None:
 
 
 def test_an_acquire_still_misses_when_no_page_is_left(backend: str) -> None:
-    stack = build_stack(backend, num_blocks=16)
+    stack = build_stack(backend, num_blocks=16, background=False)
     try:
         ids = stack.pages.acquire(stack.pages.num_pages)
         assert ids is not None
@@ -774,11 +843,11 @@ def test_a_stuck_ledger_lock_is_a_miss_never_a_failed_allocator(
     import fcntl
     import os
 
-    monkeypatch.setenv(gpu_ledger.DIR_ENV, str(tmp_path))
-    monkeypatch.delenv(gpu_ledger.GROUP_ENV, raising=False)
+    monkeypatch.setenv(DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(GROUP_ENV, raising=False)
     ledger = GpuLedger.open("GPU-stuck-lock-test", device_total=1 << 30)
     g = LedgerGate(ledger, name="a", engine="test")
-    stack = build_stack("host", gate=g)
+    stack = build_stack("host", gate=g, background=False)
     try:
         held = stack.pages.acquire(2)
         assert held is not None
@@ -786,7 +855,7 @@ def test_a_stuck_ledger_lock_is_a_miss_never_a_failed_allocator(
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             assert stack.pages.acquire(1) is None  # a miss, not PoolFailed
-            stack.pages.release(held)  # unmapped by the background thread; release deferred
+            stack.pages.release(held)  # unmapped by the next round; the gate defers it
             assert stack.pages.flush()
             assert not stack.pages.stats().failed
         finally:
@@ -811,9 +880,9 @@ class _HeldSync:
         self.go = threading.Event()
 
     def __call__(self) -> None:
-        if threading.current_thread().name == "kvcore-page-refill":
+        if threading.current_thread().name == BACKGROUND_THREAD_NAME:
             self.entered.set()
-            assert self.go.wait(10.0), "the test never let the device sync finish"
+            assert self.go.wait(WAIT_TIMEOUT), "the test never let the device sync finish"
         self.inner()
 
 
@@ -829,11 +898,11 @@ def test_a_map_on_the_engine_thread_does_not_wait_for_a_background_unmaps_device
         first = stack.pages.acquire(1)
         assert first is not None
         stack.pages.release(first)  # no reserve: queued for the page thread's unmap
-        assert sync.entered.wait(10.0)
+        assert sync.entered.wait(WAIT_TIMEOUT)
         got: list[Any] = []
         caller = threading.Thread(target=lambda: got.append(stack.pages.acquire(1)))
         caller.start()
-        caller.join(10.0)  # before the fix it waited for the held sync: this join ran out
+        caller.join(WAIT_TIMEOUT)  # the held device sync must not hold this map back
         assert not caller.is_alive() and got[0] is not None
         assert got[0][0] in stack.mapped_pages() and first[0] in stack.mapped_pages()
     finally:

@@ -60,8 +60,9 @@ def ledger() -> Iterator[BlockLedger]:
     )
     cache = VirtualKVCache(backend, geometry)
     # a budget above the 8 pages: it binds only where a test's scripted peer says so
-    pages = PageAllocator(LocalPageMapper(cache), BudgetGate(16 * GRAN))
-    led = BlockLedger(geometry, pages, reserved_blocks=(0,))
+    # no background thread: _in_use's flush runs the rounds that unmap what was freed
+    pages = PageAllocator(LocalPageMapper(cache), BudgetGate(16 * GRAN), background=False)
+    led = BlockLedger(geometry, pages, pinned_blocks=(0,))
     yield led
     led.close()
     cache.close()
@@ -69,7 +70,7 @@ def ledger() -> Iterator[BlockLedger]:
 
 
 def _in_use(led: BlockLedger) -> int:
-    led.pages.flush()
+    assert led.pages.flush()
     return led.pages.stats().in_use
 
 

@@ -107,20 +107,22 @@ def test_a_refused_read_only_access_falls_back_to_read_write_once(
     drv: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     b = backend(drv)
-    seen: list[object] = []
-    ro = b._access_ro
+    flags = drv.CUmemAccess_flags
+    ro, rw = flags.CU_MEM_ACCESS_FLAGS_PROT_READ, flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    seen: list[object] = []  # the access flags of each call, as the driver sees them
 
-    def set_access(va: int, size: int, desc: object, count: int) -> tuple[object, ...]:
-        seen.append(desc)
-        if desc is ro:
+    def set_access(va: int, size: int, desc: Any, count: int) -> tuple[object, ...]:
+        (access,) = desc
+        seen.append(access.flags)
+        if access.flags == ro:
             return (drv.CUresult.CUDA_ERROR_NOT_SUPPORTED,)
         return (drv.CUresult.CUDA_SUCCESS,)
 
     monkeypatch.setattr(drv, "cuMemSetAccess", set_access)
     b.set_access(1 << 40, 2 * MiB, writable=False)
-    assert seen == [ro, b._access_rw] and b.read_only_supported is False
+    assert seen == [ro, rw] and b.read_only_supported is False
     b.set_access(1 << 40, 2 * MiB, writable=False)  # read-write straight away from now on
-    assert seen[2:] == [b._access_rw]
+    assert seen[2:] == [rw]
     b.close()
 
 

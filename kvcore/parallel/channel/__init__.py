@@ -2,7 +2,7 @@
 
 The engine process decides every page transition; each GPU worker (TP x PP rank) owns its
 virtual KV tensors and must apply the same transition at the same offset, or none
-(DESIGN.md sections 3 and 5). Modules, one concept each:
+(``docs/channel.md``). Modules, one concept each:
 
 * ``endpoints``    per-instance socket directory, rank -> socket path, peer checks, cleanup
 * ``messages``     the typed wire schema and its framing (no pickle)

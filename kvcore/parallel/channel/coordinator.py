@@ -222,6 +222,7 @@ class ChannelCoordinator:
 
     @property
     def num_pages(self) -> int:
+        """Page ids every worker's virtual KV tensors cover."""
         return self._num_pages
 
     @property
@@ -270,6 +271,8 @@ class ChannelCoordinator:
         return self._state[page_id]
 
     def map(self, page_ids: Sequence[int]) -> None:
+        """Map ``page_ids`` on every worker, or on none (module docstring: ``map``).
+        Raises the worker's error after the undo, ``PageQuarantined``, ``PoolFailed``."""
         with self._lock:
             pages = self._checked("map", page_ids, MappingState.UNMAPPED)
             if not pages:
@@ -284,6 +287,8 @@ class ChannelCoordinator:
             self._settle("map", pages, first, undo)
 
     def prepare_unmap(self, page_ids: Sequence[int]) -> None:
+        """Prepare the unmap of ``page_ids`` on every worker, or on none (module docstring:
+        ``prepare_unmap``); the pages stay mapped everywhere when it raises."""
         with self._lock:
             pages = self._checked("prepare_unmap", page_ids, MappingState.MAPPED)
             if not pages:
@@ -301,6 +306,9 @@ class ChannelCoordinator:
             self._settle("prepare_unmap", pages, first, abort)
 
     def commit_unmap(self, page_ids: Sequence[int]) -> None:
+        """Commit prepared unmaps on every worker; idempotent (module docstring:
+        ``commit_unmap``). A worker's error leaves the pages prepared; a worker lost fails
+        the channel (``PoolFailed``)."""
         with self._lock:
             groups = self._prepared_groups("commit_unmap", page_ids, skip=MappingState.UNMAPPED)
             if not groups:
@@ -318,6 +326,8 @@ class ChannelCoordinator:
                 del self._prepared_txn[page]
 
     def abort_unmap(self, page_ids: Sequence[int]) -> None:
+        """Restore prepared pages to mapped on every worker (module docstring:
+        ``abort_unmap``)."""
         with self._lock:
             groups = self._prepared_groups("abort_unmap", page_ids, skip=MappingState.MAPPED)
             if not groups:

@@ -20,7 +20,7 @@ Life cycle:
 * ``ChannelDirectory.remove()`` (also run at interpreter exit) deletes the directory and
   every socket in it; ``reclaim_stale()`` (run by every ``create``) deletes directories
   whose owner process is gone, so a crashed instance leaves nothing a later one cannot
-  reclaim (DESIGN.md invariant 5).
+  reclaim (invariant 5 of ``docs/architecture.md``).
 
 Every accepted connection is checked with ``SO_PEERCRED``: only a process of this uid may
 drive or serve a channel (``check_peer``).

@@ -151,6 +151,7 @@ class Reply:
 
     @property
     def ok(self) -> bool:
+        """Whether the request succeeded on that worker."""
         return self.error is None
 
 
@@ -372,6 +373,7 @@ class FrameReader:
         return bool(self._buf) or self._pending is not None
 
     def feed(self, data: bytes) -> None:
+        """Append bytes read from the socket; ``pop`` then parses them."""
         self._buf += data
 
     def pop(self) -> Message | None:

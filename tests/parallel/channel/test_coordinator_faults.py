@@ -169,7 +169,7 @@ def test_a_worker_whose_backlog_is_full_times_out_instead_of_blocking(
     directory: ChannelDirectory,
 ) -> None:
     """A listener that never accepts, its backlog full: the coordinator gives up at its
-    connect timeout (a plain blocking connect used to wait far past it)."""
+    connect timeout (a plain blocking connect would wait far past it)."""
     path = str(socket_path(directory.path, 0))
     listen = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listen.bind(path)

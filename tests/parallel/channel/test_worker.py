@@ -222,7 +222,7 @@ def test_a_peer_past_the_handshake_deadline_is_told_so(
     mapper: LocalPageMapper, directory: ChannelDirectory
 ) -> None:
     """The deadline ends reading only: the silent peer gets a ``PeerRejected`` naming the
-    deadline (it used to be cut off with no answer, listed as whatever its last read saw)."""
+    deadline, not a connection cut off with no answer, and the listener records why."""
     listener = WorkerListener(
         mapper, rank=0, channel_dir=directory.path, handshake_timeout=0.3
     ).start()
