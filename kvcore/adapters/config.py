@@ -3,21 +3,17 @@
 ``ElasticConfig.parse(value)`` turns the engine option (a JSON object, already decoded by the
 engine's argument parser into a dict, JSON text, or ``None``) into a validated, frozen
 config. Every unknown key or wrong type raises ``UnsupportedConfiguration`` at start-up,
-naming the key. Each engine adapter reads the fields it supports.
+naming the key. Each engine adapter reads the fields it supports; the memory gate the options
+ask for is opened by ``kvcore.adapters.gates.open_gate``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvcore.budget.gate import BudgetGate, MemoryGate, UnlimitedGate
 from kvcore.errors import UnsupportedConfiguration
-
-if TYPE_CHECKING:
-    from kvcore.vmm.base import VmmBackend
 
 __all__ = ["ElasticConfig"]
 
@@ -50,26 +46,6 @@ class ElasticConfig:
     eviction: str | None = None
     page_bytes: int | None = None
     sanity: bool = False
-
-    def make_gate(
-        self, backend: VmmBackend, *, name: str, engine: str, engine_version: str
-    ) -> MemoryGate:
-        """The memory gate these options ask for: a ``LedgerGate`` registering instance
-        ``name`` in the per-GPU ledger of ``backend``'s device when ``gpu_ledger`` is set
-        (``limit_bytes`` is its instance limit), else a ``BudgetGate`` of ``limit_bytes``, else
-        an ``UnlimitedGate``. Raises ``LedgerError`` when the ledger cannot be opened."""
-        if self.gpu_ledger:
-            from kvcore.budget.ledger import LedgerGate
-
-            return LedgerGate.from_backend(
-                backend,
-                name=name,
-                engine=engine,
-                engine_version=engine_version,
-                limit=self.limit_bytes or 0,
-                directory=Path(self.ledger_dir) if self.ledger_dir else None,
-            )
-        return BudgetGate(self.limit_bytes) if self.limit_bytes is not None else UnlimitedGate()
 
     @classmethod
     def parse(cls, value: Mapping[str, Any] | str | None) -> ElasticConfig:

@@ -1,4 +1,4 @@
-"""Per-slot state tensors whose pages are mapped while slots are taken (DESIGN.md section 7).
+"""Per-slot state tensors whose pages are mapped while slots are taken.
 
 Recurrent models (Mamba, linear attention) keep one fixed-size *cell* per request slot:
 conv and SSM state in every such layer. Engines hold it in layer-major tensors
@@ -31,12 +31,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcore.errors import InvalidTransition, PoolFailed
+from kvcore.memory.chain import MemoryChain
 from kvcore.memory.families import plan_rows
 from kvcore.memory.geometry import KVGeometry
-from kvcore.memory.local_mapper import LocalPageMapper
 from kvcore.memory.pages import PageAllocator
-from kvcore.memory.teardown import CloseOnce, close_parts
-from kvcore.memory.virtual_cache import VirtualKVCache
+from kvcore.memory.teardown import CloseOnce, OnError, close_parts
 
 if TYPE_CHECKING:
     from kvcore.budget.gate import MemoryGate
@@ -60,7 +59,9 @@ class StateTensor:
 
 
 class _StatePages:
-    """One state tensor's virtual range, pages and per-layer page use counts."""
+    """One state tensor's memory chain (virtual range, mapper, page allocator; no ledger:
+    slots take their pages by id) and per-layer page use counts. The backend and the gate
+    are the ``SlotStates``'s: it closes them once, after every state's chain."""
 
     def __init__(
         self,
@@ -78,7 +79,7 @@ class _StatePages:
         plan = plan_rows(spec.row_bytes, gran, pad=False)
         self.per_page = plan.rows_per_page  # slots of one layer on one page
         self.layer_pages = -(-slots // self.per_page)
-        self.geometry = KVGeometry(
+        geometry = KVGeometry(
             num_layers=1,
             kv_buffers=1,
             block_bytes=spec.row_bytes,
@@ -87,39 +88,27 @@ class _StatePages:
             granularity=gran,
             layout="per-layer",
         )
-        self.cache: VirtualKVCache | None = None
-        self.mapper: LocalPageMapper | None = None
-        self.pages: PageAllocator | None = None
-        try:
-            self.cache = VirtualKVCache(backend, self.geometry, sanity=sanity)
-            self.mapper = LocalPageMapper(self.cache, pool_pages=0)
-            # pages are taken by id (a slot's own pages): an idle reserve would not serve them
-            self.pages = PageAllocator(self.mapper, gate)
-        except BaseException:
-            self.close()
-            raise
+        self.chain = MemoryChain.build(
+            geometry,
+            backend=backend,
+            owns_backend=False,
+            gate=gate,
+            owns_gate=False,
+            sanity=sanity,
+            pool_pages=0,  # pages are taken by id (a slot's own): an idle pool would not serve them
+            label=f"{spec.role} state",
+        )
+        assert self.chain.pages is not None and self.chain.cache is not None
+        self.geometry = geometry
+        self.pages: PageAllocator = self.chain.pages
         self.uses = [0] * self.layer_pages  # slots in use on page j of every layer
-        view = self.cache.view(0, 0, spec.dtype, block_shape=spec.shape)
+        view = self.chain.cache.view(0, 0, spec.dtype, block_shape=spec.shape)
         self.tensor = view.view(layers, self.layer_pages * self.per_page, *spec.shape)[:, :slots]
 
     def page_ids(self, js: Sequence[int]) -> list[int]:
         """The page ids of per-layer page ``j`` in every layer."""
         lp = self.layer_pages
         return [layer * lp + j for j in js for layer in range(self.layers)]
-
-    def parts(self) -> list[tuple[str, object]]:
-        """What ``close`` releases, in order, named for ``kvcore.memory.teardown.close_parts``."""
-        role = self.spec.role
-        return [
-            (f"{role} state's page allocator", self.pages),
-            (f"{role} state's mapper", self.mapper),
-            (f"{role} state's virtual range", self.cache),
-        ]
-
-    def close(self) -> None:
-        """Release every part (each one even when an earlier one raises); then raise the first
-        failure."""
-        close_parts(self.parts(), on_error="raise")
 
 
 class SlotStates:
@@ -173,7 +162,7 @@ class SlotStates:
                 self._taken[s] = 1
             self._pinned = frozenset(reserved)
         except BaseException:
-            self._teardown()
+            self._teardown(on_error="log")  # the error that stopped the start is raised
             raise
 
     @property
@@ -225,7 +214,6 @@ class SlotStates:
         """Per state, the pages mapped now (after background unmaps settle)."""
         out = []
         for p in self._parts:
-            assert p.pages is not None
             p.pages.flush()
             out.append(p.pages.stats().mapped)
         return out
@@ -271,7 +259,6 @@ class SlotStates:
                     if part.uses[j] == 0:
                         emptied.append(j)
                 if emptied:
-                    assert part.pages is not None
                     part.pages.release(part.page_ids(emptied))
 
     def _map_slots(self, slots: Sequence[int]) -> bool:
@@ -279,10 +266,8 @@ class SlotStates:
         for part in self._parts:
             per_page, uses = part.per_page, part.uses
             fresh = sorted({s // per_page for s in slots if uses[s // per_page] == 0})
-            assert part.pages is not None
             if fresh and not part.pages.acquire_ids(part.page_ids(fresh)):
                 for earlier, js in done:
-                    assert earlier.pages is not None
                     earlier.pages.release(earlier.page_ids(js))
                 return False
             done.append((part, fresh))
@@ -296,11 +281,11 @@ class SlotStates:
         gate (and the backend when owned). Idempotent. Every part is released even when an
         earlier one fails; the first failure is raised after."""
         if self._once.begin():
-            self._teardown()
+            self._teardown(on_error="raise")
 
-    def _teardown(self) -> None:
-        parts = [named for part in self._parts for named in part.parts()]
+    def _teardown(self, *, on_error: OnError) -> None:
+        parts = [named for part in self._parts for named in part.chain.parts()]
         parts.append(("memory gate", self.gate))
         if self._owns_backend:
             parts.append((f"{self.backend.name} backend", self.backend))
-        close_parts(parts, on_error="raise")
+        close_parts(parts, on_error=on_error)

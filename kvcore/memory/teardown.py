@@ -39,7 +39,12 @@ OnError: TypeAlias = Literal["raise", "log"] | Callable[[Sequence[PartFailure]],
 """What ``close_parts`` does once every part was tried and some failed (see there)."""
 
 
-def close_parts(parts: Iterable[tuple[str, object]], *, on_error: OnError) -> list[PartFailure]:
+def close_parts(
+    parts: Iterable[tuple[str, object]],
+    *,
+    on_error: OnError,
+    tolerate: tuple[type[Exception], ...] = (),
+) -> list[PartFailure]:
     """Close every part of ``parts``, in order, even when earlier ones raise.
 
     ``parts``: ``(name, obj)`` pairs; ``obj.close()`` is called when ``obj`` has a callable
@@ -47,6 +52,9 @@ def close_parts(parts: Iterable[tuple[str, object]], *, on_error: OnError) -> li
     skipped). An ``Exception`` from a part is logged at ERROR level with its traceback
     (``"kvcore: closing the <name> failed"``) and the next part is closed; a
     ``BaseException`` that is not an ``Exception`` (``KeyboardInterrupt``) propagates at once.
+    An exception of a ``tolerate`` type means the part's memory is gone already (a page
+    allocator failed-stop, its memory goes with the processes that held it): it is logged at
+    INFO and is no failure.
 
     Once every part was tried, ``on_error`` decides:
 
@@ -64,6 +72,8 @@ def close_parts(parts: Iterable[tuple[str, object]], *, on_error: OnError) -> li
             continue
         try:
             close()
+        except tolerate as exc:
+            log.info("kvcore: closing the %s: %s (its memory is gone already)", name, exc)
         except Exception as exc:  # keep closing the rest
             log.error("kvcore: closing the %s failed: %r", name, exc, exc_info=exc)
             failed.append(PartFailure(name, exc))

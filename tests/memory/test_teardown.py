@@ -1,6 +1,7 @@
 """``kvcore.memory.teardown``: ``close_parts`` under each error policy and ``CloseOnce``; then
 one of its owners (``SlotStates``, on the host backend) with a driver failure injected at
-shutdown."""
+shutdown; then ``kvcore.memory.chain.MemoryChain``, the builder every owner uses, failing at
+each step of its build."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from kvcore.budget.gate import UnlimitedGate
-from kvcore.errors import KvcoreError, PoolFailed
+from kvcore.budget.gate import MemoryGate, UnlimitedGate
+from kvcore.errors import GeometryError, InjectedFault, KvcoreError, LedgerError, PoolFailed
+from kvcore.memory.chain import MemoryChain, block_ledger
+from kvcore.memory.geometry import KVGeometry
 from kvcore.memory.slots import SlotStates, StateTensor
 from kvcore.memory.teardown import CloseOnce, PartFailure, close_parts
 from kvcore.vmm.faults import FaultInjector
@@ -174,3 +177,173 @@ def test_a_failed_unmap_at_slot_shutdown_still_releases_every_range_and_raises_i
     assert not vmm.live_handles and vmm.mapped_ranges() == []
     states.close()  # idempotent, silent
     assert vmm.calls("free_reservation") == reserved and gate_closed == [True]
+
+
+# ------------------------------------------------------------- the builder: MemoryChain
+
+GRAN = 64 << 10
+
+
+class ClosingGate(UnlimitedGate):
+    """An ``UnlimitedGate`` that records its ``close()`` in ``closed``."""
+
+    def __init__(self, closed: list[str]) -> None:
+        super().__init__()
+        self._closed = closed
+
+    def close(self) -> None:
+        self._closed.append("gate")
+
+
+def _backend(closed: list[str]) -> FaultInjector:
+    vmm = FaultInjector(make_backend("host", device_bytes=64 << 20, granularity=GRAN))
+    close = vmm.close
+
+    def recorded() -> None:
+        closed.append("backend")
+        close()
+
+    vmm.close = recorded  # type: ignore[method-assign]
+    return vmm
+
+
+def _geometry(backend: object = None) -> KVGeometry:
+    return KVGeometry(
+        num_layers=2,
+        kv_buffers=2,
+        block_bytes=16 << 10,
+        num_blocks=16,
+        page_bytes=GRAN,
+        granularity=GRAN,
+        layout="per-layer",
+    )
+
+
+def _nothing_left(vmm: FaultInjector, failed_reserves: int = 0) -> None:
+    assert vmm.calls("free_reservation") == vmm.calls("reserve") - failed_reserves
+    assert not vmm.live_handles and vmm.mapped_ranges() == []
+
+
+def test_a_chain_builds_every_part_in_order_and_closes_them_in_reverse() -> None:
+    closed: list[str] = []
+    vmm = _backend(closed)
+    chain = MemoryChain.build(
+        _geometry,
+        open_backend=lambda: vmm,
+        open_gate=lambda b, g: ClosingGate(closed),
+        ledger=block_ledger((0,)),
+        reserve_max=99,
+    )
+    assert chain.backend is vmm and chain.geometry == _geometry()
+    assert chain.cache is not None and chain.mapper is not None and chain.pages is not None
+    assert chain.ledger is not None and chain.ledger.is_allocated(0)  # reserved: page 0 backed
+    assert chain.pages.stats().mapped >= 1
+    assert [name for name, part in chain.parts() if part is not None] == [
+        "page allocator",
+        "mapper",
+        "virtual KV cache",
+        "memory gate",
+        "host backend",
+    ]
+    assert chain.close() == [] and chain.closed
+    assert closed == ["gate", "backend"]
+    _nothing_left(vmm)
+    assert chain.close() == [] and closed == ["gate", "backend"]  # once only
+
+
+def test_a_chain_without_a_gate_stops_at_the_mapper_and_keeps_what_it_does_not_own() -> None:
+    closed: list[str] = []
+    vmm = _backend(closed)
+    gate = ClosingGate(closed)
+    bare = MemoryChain.build(_geometry(), backend=vmm, owns_backend=False)
+    assert bare.mapper is not None and bare.pages is None and bare.gate is None
+    bare.close()
+    shared = MemoryChain.build(
+        _geometry(),
+        backend=vmm,
+        owns_backend=False,
+        gate=gate,
+        owns_gate=False,
+        label="conv0 state",
+    )
+    assert shared.pages is not None and shared.ledger is None
+    assert [n for n, _ in shared.parts()][:3] == [
+        "conv0 state's page allocator",
+        "conv0 state's mapper",
+        "conv0 state's virtual KV cache",
+    ]
+    shared.close()
+    assert closed == []  # neither the gate nor the backend was the chains' to close
+    _nothing_left(vmm)
+    vmm.close()
+
+
+@pytest.mark.parametrize("step", ["geometry", "cache", "gate", "ledger"])
+def test_a_failed_step_closes_everything_built_and_raises_its_own_error(
+    step: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    closed: list[str] = []
+    vmm = _backend(closed)
+    given = ClosingGate(closed)
+
+    def geometry(backend: object) -> KVGeometry:
+        if step == "geometry":
+            raise GeometryError("no page holds a block")
+        return _geometry()
+
+    def open_gate(backend: object, geometry: KVGeometry) -> MemoryGate:
+        raise LedgerError("the ledger is full")
+
+    if step == "cache":
+        vmm.fail("reserve")
+    if step == "ledger":
+        vmm.fail("create", nth=2)  # block 0's page (the first is the cache's zero page)
+    expected = {"geometry": GeometryError, "cache": InjectedFault, "gate": LedgerError}
+    with pytest.raises(expected.get(step, PoolFailed)):
+        MemoryChain.build(
+            geometry,
+            open_backend=lambda: vmm,
+            gate=None if step == "gate" else given,
+            open_gate=open_gate,
+            ledger=block_ledger((0,)),
+        )
+    assert closed == (["backend"] if step == "gate" else ["gate", "backend"])
+    _nothing_left(vmm, failed_reserves=step == "cache")
+    assert "failed" not in caplog.text  # every part closed cleanly
+
+
+def test_a_part_that_fails_to_close_on_a_failed_build_is_logged_not_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    closed: list[str] = []
+    vmm = _backend(closed)
+    gate = ClosingGate(closed)
+    gate.close = lambda: (_ for _ in ()).throw(OSError("ledger gone"))  # type: ignore[method-assign]
+    vmm.fail("create", nth=2)
+    with caplog.at_level(logging.ERROR), pytest.raises(PoolFailed):
+        MemoryChain.build(_geometry(), backend=vmm, gate=gate, ledger=block_ledger((0,)))
+    assert "closing the memory gate failed: OSError('ledger gone')" in caplog.text
+    assert closed == ["backend"]
+
+
+def test_a_tolerated_error_at_close_is_no_failure(caplog: pytest.LogCaptureFixture) -> None:
+    closed: list[str] = []
+    vmm = _backend(closed)
+    chain = MemoryChain.build(_geometry(), backend=vmm, gate=ClosingGate(closed))
+    assert chain.pages is not None
+    real = chain.pages.close
+
+    def fail_stopped() -> None:
+        real()
+        raise PoolFailed("the workers are gone")
+
+    chain.pages.close = fail_stopped  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO):
+        assert chain.close(tolerate=(PoolFailed,)) == []
+    assert "closing the page allocator: the workers are gone" in caplog.text
+    assert closed == ["gate", "backend"]
+
+
+def test_a_chain_needs_a_backend_or_a_mapper() -> None:
+    with pytest.raises(ValueError, match="backend"):
+        MemoryChain.build(_geometry())

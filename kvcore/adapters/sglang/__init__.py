@@ -3,7 +3,8 @@
 * ``ElasticScope`` (``scope``) — opened by the patched ``KVCacheConfigurator`` around pool
   construction; gives the KV pools kvcore buffers and swaps in the elastic allocator.
 * ``ElasticTokenToKVPoolAllocator`` / ``ElasticPagedTokenToKVPoolAllocator``
-  (``allocators``) — SGLang's allocators over kvcore's block ledger.
+  (``allocators``) — SGLang's allocators over kvcore's block ledger; ``elastic_allocator``
+  (``scope``) turns SGLang's allocator into its elastic equivalent (``swa`` for hybrid SWA).
 * ``ElasticKVManager`` (``manager``) — one pool's kvcore object chain on one TP rank.
 * ``ElasticConfig`` (``kvcore.adapters.config``) — the ``--kvcore-config`` options.
 
@@ -14,10 +15,9 @@ from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.sglang.allocators import (
     ElasticPagedTokenToKVPoolAllocator,
     ElasticTokenToKVPoolAllocator,
-    elastic_allocator,
 )
 from kvcore.adapters.sglang.manager import ElasticKVManager
-from kvcore.adapters.sglang.scope import ElasticScope
+from kvcore.adapters.sglang.scope import ElasticScope, elastic_allocator
 
 __all__ = [
     "ElasticConfig",

@@ -22,16 +22,14 @@ evict down to the bound.
 ``conservation_available_size()`` is what the scheduler's idle leak check adds to evictable
 + protected tokens to get the pool's total in elastic mode.
 
-``elastic_allocator`` turns the two stock classes into these and the hybrid
-``SWATokenToKVPoolAllocator`` into ``kvcore.adapters.sglang.swa``'s (over these two); it
-refuses any other allocator (HiSparse, page-interleave, NPU, unified pools) with
-``UnsupportedConfiguration``.
+``elastic_token_allocator`` turns the two stock classes into these and refuses any other
+allocator (HiSparse, page-interleave, NPU, unified pools) with ``UnsupportedConfiguration``;
+``kvcore.adapters.sglang.swa`` builds the hybrid SWA allocator over two of them, and the
+scope's ``elastic_allocator`` picks between the two.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 from array import array
 from typing import TYPE_CHECKING, Any
 
@@ -55,7 +53,8 @@ if TYPE_CHECKING:
 __all__ = [
     "ElasticPagedTokenToKVPoolAllocator",
     "ElasticTokenToKVPoolAllocator",
-    "elastic_allocator",
+    "elastic_token_allocator",
+    "is_elastic",
 ]
 
 
@@ -98,7 +97,8 @@ class _ElasticMixin:
 
     def _as_tensor(self, ids: list[int]) -> torch.Tensor:
         """The ledger's id list as an int64 tensor on the allocator's device (through an
-        ``array`` buffer: a third of ``torch.tensor(list)``'s cost on the allocation path)."""
+        ``array`` buffer, which is cheaper than ``torch.tensor(list)`` on the allocation
+        path)."""
         if not ids:
             return self._empty
         t = torch.frombuffer(array("q", ids), dtype=torch.int64)
@@ -429,22 +429,18 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
 # few tensor calls each); more runs are expanded to ids and copied in one tensor
 _RUNS_AS_VIEWS = 8
 # ``_fresh_ids`` on the CPU takes this many blocks or more as runs, fewer as a list of ids:
-# measured in the allocator's cycles (``benchmarks/sglang_alloc.py``), runs cost more than
-# they save at 32 and 152 blocks (``alloc_runs`` merging a partly used page's ids into runs,
-# then expanding scattered ones) and save ~10 us at 512 (no list, no copy)
+# for small requests merging a partly used page's ids into runs costs more than the list
+# (``benchmarks/sglang_alloc.py`` measures both paths)
 _RUNS_FROM = 256
-# ``free`` lists up to this many page ids (``tolist``: 1.1 us at 152 ids on the 2-core CPU
-# host, 5.5 at 512) and reads only the first and the last of more (1.4 us whatever the count
-# in a warm loop, but it cost ~2% more than listing in 8 x 152-block extend cycles)
+# ``free`` lists up to this many page ids (``tolist``) and reads only the first and the last
+# of more: listing is cheaper for small frees, its cost grows with the count
 _LISTED_IDS_MAX = 256
 
 # Batches of up to this many requests count their new pages in Python ints from the CPU
 # lengths (one ``tolist`` each); larger ones in numpy over the same tensors' memory (no copy;
-# four array operations whose cost hardly grows with the batch). Both give SGLang's
-# ``get_num_new_pages`` (eight or more torch calls, each through torch's Python operator
-# wrappers) exactly. Timed on a 2-core CPU host (warm loop, us), SGLang's / numpy / Python:
-# extend 18.6 / 6.2 / 3.1 at 16 requests, 18.9 / 6.4 / 5.3 at 32, 19.1 / 6.5 / 7.4 at 48,
-# 20.0 / 7.0 / 35.5 at 256; decode 9.1 / 3.4 / 2.1 at 32, 9.4 / 3.4 / 3.8 at 64.
+# four array operations whose cost hardly grows with the batch, where the Python count grows
+# per request). Both give SGLang's ``get_num_new_pages`` (eight or more torch calls) exactly;
+# ``benchmarks/sglang_alloc.py`` times the three.
 _COUNT_IN_PYTHON = 40
 
 
@@ -478,40 +474,26 @@ def _is_hybrid_linear(kvcache: Any) -> bool:
     return type(kvcache) is HybridLinearKVPool
 
 
-@functools.cache
-def _eviction_asks_allocator() -> bool:
-    """Whether SGLang's pre-allocation eviction (``common.evict_from_tree_cache``) goes through
-    ``allocator.evict_to_free_tokens`` (0.5.23 and later), where the cache bound is applied."""
-    from sglang.srt.mem_cache import common
-
-    try:
-        return "evict_to_free_tokens" in inspect.getsource(common.evict_from_tree_cache)
-    except (OSError, TypeError):  # no source: assume the newer seam
-        return True
-
-
 _ELASTIC = {
     TokenToKVPoolAllocator: ElasticTokenToKVPoolAllocator,
     PagedTokenToKVPoolAllocator: ElasticPagedTokenToKVPoolAllocator,
 }
 
 
-def elastic_allocator(upstream: Any) -> Any:
-    """The elastic equivalent of SGLang's freshly built allocator ``upstream`` (same size,
-    page size, dtype, device, KV pool and sort mode); ``upstream`` is discarded.
+def is_elastic(allocator: Any) -> bool:
+    """Whether ``allocator`` is one of this module's elastic allocators."""
+    return isinstance(allocator, _ElasticMixin)
 
-    A hybrid ``SWATokenToKVPoolAllocator`` becomes ``kvcore.adapters.sglang.swa``'s
-    elastic SWA allocator. Raises ``UnsupportedConfiguration`` naming the allocator class
-    when it is none of these (HiSparse, page-interleave sharding, NPU, DSV4, unified pools).
-    """
+
+def elastic_token_allocator(upstream: Any) -> Any:
+    """The elastic equivalent of SGLang's freshly built token or paged allocator ``upstream``
+    (same size, page size, dtype, device, KV pool and sort mode); ``upstream`` is discarded.
+    Raises ``UnsupportedConfiguration`` naming the allocator class for any other (HiSparse,
+    page-interleave sharding, NPU, DSV4, unified pools), and for an allocator that is elastic
+    already (a draft worker's pool sharing the target's: speculative decoding). The hybrid
+    SWA allocator is ``kvcore.adapters.sglang.swa``'s, over two of these."""
     from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 
-    if isinstance(upstream, SWATokenToKVPoolAllocator) and not isinstance(
-        getattr(upstream, "full_attn_allocator", None), _ElasticMixin
-    ):
-        from kvcore.adapters.sglang.swa import elastic_swa_allocator
-
-        return elastic_swa_allocator(upstream)
     if isinstance(upstream, (_ElasticMixin, SWATokenToKVPoolAllocator)):
         raise UnsupportedConfiguration(
             "kvcore elastic KV does not support speculative decoding (a draft worker's KV "

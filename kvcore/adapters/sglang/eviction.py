@@ -48,13 +48,22 @@ default, logged once) or start-up fails (explicit ``"page-aware"``).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 from typing import Any
 
 from kvcore.errors import UnsupportedConfiguration
 
-__all__ = ["TREE_CORE_ENV", "PageAwareEviction", "attach", "choose_tree_core", "install"]
+__all__ = [
+    "TREE_CORE_ENV",
+    "PageAwareEviction",
+    "attach",
+    "choose_tree_core",
+    "eviction_asks_allocator",
+    "install",
+]
 
 log = logging.getLogger(__name__)
 
@@ -237,3 +246,15 @@ def _install_unified(tree_cache: Any, ledger: Any, page_size: int) -> bool:
 
 def _radix_value(node: Any) -> Any:
     return node.value
+
+
+@functools.cache
+def eviction_asks_allocator() -> bool:
+    """Whether SGLang's pre-allocation eviction (``common.evict_from_tree_cache``) goes through
+    ``allocator.evict_to_free_tokens`` (0.5.23 and later), where the cache bound is applied."""
+    from sglang.srt.mem_cache import common
+
+    try:
+        return "evict_to_free_tokens" in inspect.getsource(common.evict_from_tree_cache)
+    except (OSError, TypeError):  # no source: assume the newer seam
+        return True

@@ -4,7 +4,7 @@ SGLang keeps a hybrid Mamba model's recurrent state in ``MambaPool``: per conv s
 one ``conv`` tensor and one ``temporal`` (SSM) tensor, each ``(layers, size + 1, *shape)``
 (layer-major; slot 0 is SGLang's dummy slot), and a ``MambaSlotAllocator`` in the
 ``HybridReqToTokenPool`` hands one slot to each request. A slot's *cell* is its conv and SSM
-state in every Mamba layer (DESIGN.md section 7).
+state in every Mamba layer.
 
 ``build_mamba_state`` gives the pool those tensors from kvcore: a ``kvcore.memory.slots.SlotStates``
 over the pool's conv and temporal shapes (one virtual range per state, SGLang's layer-major
@@ -48,6 +48,7 @@ import sglang
 import torch
 from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 
+from kvcore.adapters.gates import open_gate
 from kvcore.errors import GeometryError, UnsupportedConfiguration
 from kvcore.memory.slots import SlotStates, StateTensor
 from kvcore.parallel.agreement import AgreedRoom, Agreement
@@ -174,17 +175,18 @@ def build_mamba_state(
     backend = open_backend(config.backend, device_index, **dict(config.backend_options))
     try:
         make = functools.partial(
-            config.make_gate,
-            backend,
+            open_gate,
+            config,
             name=name,
             engine="sglang",
             engine_version=str(sglang.__version__),
+            backend=backend,
         )
         share = make() if gate is None else gate.join(make)
     except BaseException:
         backend.close()
         raise
-    try:
+    try:  # the state takes the share and the backend over: closed with it, or if it fails
         state = SlotStates(
             backend,
             share,
@@ -195,22 +197,12 @@ def build_mamba_state(
             owns_backend=True,
         )
     except GeometryError as exc:
-        closer = getattr(share, "close", None)
-        if callable(closer):
-            closer()
-        backend.close()
         shapes = ", ".join(f"{s.role} {s.shape} {s.dtype}" for s in states)
         raise UnsupportedConfiguration(
             f"kvcore elastic Mamba state: a per-slot row of this model ({shapes}) tiles no "
             f"page of SGLang's layer-major state tensors exactly: {exc}",
             hint="start without --kvcore-elastic for this model (or raise the largest page)",
         ) from exc
-    except BaseException:
-        closer = getattr(share, "close", None)
-        if callable(closer):
-            closer()
-        backend.close()
-        raise
     pool.kvcore_mamba = state
     return state
 

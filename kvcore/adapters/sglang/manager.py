@@ -1,9 +1,10 @@
 """One SGLang KV pool's elastic memory on one TP rank: backend, virtual tensor, pages, ledger.
 
-``ElasticKVManager`` owns the whole kvcore object chain for one pool (DESIGN.md section 3):
-the VMM backend, a per-layer ``VirtualKVCache`` whose views become the pool's K/V (or MLA
-latent) buffers, a ``LocalPageMapper``, a ``PageAllocator`` gated by the rank's budget and
-the ``BlockLedger`` the elastic allocators draw from. Each TP rank builds its own manager in
+``ElasticKVManager`` owns the whole kvcore object chain for one pool
+(``kvcore.memory.chain.MemoryChain``): the VMM backend, a per-layer ``VirtualKVCache`` whose
+views become the pool's K/V (or MLA latent) buffers, a ``LocalPageMapper``, a
+``PageAllocator`` gated by the rank's budget and the ``BlockLedger`` the elastic allocators
+draw from. Each TP rank builds its own manager in
 its own process: page operations are local and never sent to peers.
 
 Block ids are SGLang page ids (token ids when ``page_size == 1``): block ``b`` holds token
@@ -13,20 +14,21 @@ page (dummy writes of padded tokens land there), so it is reserved and stays bac
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import TYPE_CHECKING
 
 import torch
 
+from kvcore.adapters.gates import open_gate
 from kvcore.budget.gate import MemoryGate
 from kvcore.memory.blocks import BlockLedger
+from kvcore.memory.chain import MemoryChain, block_ledger
 from kvcore.memory.families import plan_rows
 from kvcore.memory.geometry import KVGeometry
-from kvcore.memory.local_mapper import LocalPageMapper
 from kvcore.memory.pages import PageAllocator, PageStats
-from kvcore.memory.teardown import CloseOnce, close_parts
-from kvcore.memory.virtual_cache import VirtualKVCache
+from kvcore.memory.teardown import CloseOnce
 from kvcore.vmm import open_backend
 
 if TYPE_CHECKING:
@@ -70,43 +72,51 @@ class ElasticKVManager:
         self.page_size = page_size
         self.num_rows = num_rows
         self._once = CloseOnce()
-        self.backend = backend or open_backend(
-            config.backend, device_index, **dict(config.backend_options)
-        )
-        self._owns_backend = backend is None
-        self.cache: VirtualKVCache | None = None
-        self.mapper: LocalPageMapper | None = None
-        try:
-            gran = self.backend.granularity()
+
+        def plan(backend: VmmBackend | None) -> KVGeometry:
+            assert backend is not None
+            gran = backend.granularity()
             block_bytes = page_size * row_bytes
             # SGLang indexes token rows with one uniform stride: no padded block stride
-            plan = plan_rows(block_bytes, gran, pad=False, page_bytes=config.page_bytes)
-            self.geometry = KVGeometry(
+            rows = plan_rows(block_bytes, gran, pad=False, page_bytes=config.page_bytes)
+            return KVGeometry(
                 num_layers=num_layers,
                 kv_buffers=kv_buffers,
                 block_bytes=block_bytes,
                 num_blocks=math.ceil(num_rows / page_size),
-                page_bytes=plan.page_bytes,
+                page_bytes=rows.page_bytes,
                 granularity=gran,
-                layout="per-layer",  # SGLang indexes token rows with one uniform stride
+                layout="per-layer",
             )
-            self.cache = VirtualKVCache(self.backend, self.geometry, sanity=config.sanity)
-            self.mapper = LocalPageMapper(self.cache)
-            self.gate: MemoryGate = (
-                self._gate(config, name)
-                if gate is None
-                else gate.join(lambda: self._gate(config, name))
-            )
-            self.pages = PageAllocator(
-                self.mapper,
-                self.gate,
-                reserve_min=min(config.reserve_min, self.geometry.num_pages),
-                reserve_max=min(config.reserve_max, self.geometry.num_pages),
-            )
-            self.ledger = BlockLedger(self.geometry, self.pages, reserved_blocks=(0,))
-        except BaseException:
-            self._teardown()
-            raise
+
+        def gate_of(backend: VmmBackend | None, _geometry: KVGeometry) -> MemoryGate:
+            assert backend is not None
+            make = functools.partial(_open_gate, config, backend, name)
+            return make() if gate is None else gate.join(make)
+
+        self.chain = MemoryChain.build(
+            plan,
+            backend=backend,
+            open_backend=functools.partial(
+                open_backend, config.backend, device_index, **dict(config.backend_options)
+            ),
+            owns_backend=backend is None,
+            open_gate=gate_of,
+            ledger=block_ledger((0,)),
+            sanity=config.sanity,
+            reserve_min=config.reserve_min,
+            reserve_max=config.reserve_max,
+        )
+        chain = self.chain
+        assert chain.backend is not None and chain.gate is not None
+        assert chain.pages is not None and chain.ledger is not None
+        self.backend: VmmBackend = chain.backend
+        self.geometry = chain.geometry
+        self.cache = chain.cache
+        self.mapper = chain.mapper
+        self.gate: MemoryGate = chain.gate
+        self.pages: PageAllocator = chain.pages
+        self.ledger: BlockLedger = chain.ledger
         log.info(
             "kvcore: elastic KV pool of %d blocks (%d tokens each) on %d pages of %d bytes "
             "(%s backend, limit %s)",
@@ -120,7 +130,7 @@ class ElasticKVManager:
 
     @property
     def num_blocks(self) -> int:
-        """Block ids ``0 .. num_blocks - 1`` (block 0 reserved)."""
+        """Block ids ``0 .. num_blocks - 1`` (block 0 pinned)."""
         return self.geometry.num_blocks
 
     def buffer(
@@ -132,13 +142,6 @@ class ElasticKVManager:
         view = self.cache.view(layer, buffer, dtype, block_shape=(self.page_size, *row_shape))
         return view.reshape(-1, *row_shape)[: self.num_rows]
 
-    def _gate(self, config: ElasticConfig, name: str) -> MemoryGate:
-        import sglang
-
-        return config.make_gate(
-            self.backend, name=name, engine="sglang", engine_version=str(sglang.__version__)
-        )
-
     def stats(self) -> PageStats:
         """The page allocator's snapshot (mapped, in use, reserved, misses, ...)."""
         return self.pages.stats()
@@ -149,16 +152,17 @@ class ElasticKVManager:
         buffers handed out must not be used afterwards. Every part is released even when an
         earlier one fails; the first failure is raised after."""
         if self._once.begin():
-            self._teardown()
+            self.chain.close(on_error="raise")
 
-    def _teardown(self) -> None:
-        parts: list[tuple[str, object]] = [
-            ("block ledger", getattr(self, "ledger", None)),
-            ("page allocator", getattr(self, "pages", None)),
-            ("mapper", self.mapper),
-            ("virtual KV cache", self.cache),
-            ("memory gate", getattr(self, "gate", None)),
-        ]
-        if self._owns_backend:
-            parts.append((f"{self.backend.name} backend", self.backend))
-        close_parts(parts, on_error="raise")
+
+def _open_gate(config: ElasticConfig, backend: VmmBackend, name: str) -> MemoryGate:
+    """The gate ``config`` describes for this rank's instance ``name``."""
+    import sglang
+
+    return open_gate(
+        config,
+        name=name,
+        engine="sglang",
+        engine_version=str(sglang.__version__),
+        backend=backend,
+    )

@@ -36,7 +36,8 @@ import torch
 
 from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.sglang import eviction
-from kvcore.adapters.sglang.allocators import _eviction_asks_allocator, elastic_allocator
+from kvcore.adapters.sglang.allocators import elastic_token_allocator, is_elastic
+from kvcore.adapters.sglang.eviction import eviction_asks_allocator
 from kvcore.adapters.sglang.mamba import build_mamba_state, elastic_mamba_allocator
 from kvcore.adapters.sglang.manager import ElasticKVManager
 from kvcore.budget.shared_gate import SharedGate
@@ -44,7 +45,7 @@ from kvcore.errors import UnsupportedConfiguration
 from kvcore.memory.slots import SlotStates
 from kvcore.parallel.agreement import AgreedLedger, Agreement, RankAgreement, TorchGroupAgreement
 
-__all__ = ["ElasticScope"]
+__all__ = ["ElasticScope", "elastic_allocator"]
 
 _SCOPES = itertools.count()
 
@@ -144,13 +145,13 @@ class ElasticScope:
         pool.kvcore_manager = manager
 
     def allocator(self, upstream: Any) -> Any:
-        """The elastic equivalent of the allocator SGLang built over a kvcore pool (see
-        ``kvcore.adapters.sglang.allocators.elastic_allocator``); with an agreement (see the
+        """The elastic equivalent of the allocator SGLang built over a kvcore pool
+        (``elastic_allocator``); with an agreement (see the
         class), its ledgers are wrapped in ``AgreedLedger``, or the hybrid SWA allocator
         agrees its pairs (a collective: every rank calls this at the same point)."""
         alloc = elastic_allocator(upstream)
         if self.config.max_cached_tokens is not None and not (
-            hasattr(alloc, "kvcore_step") or _eviction_asks_allocator()
+            hasattr(alloc, "kvcore_step") or eviction_asks_allocator()
         ):
             raise UnsupportedConfiguration(
                 f"--kvcore-config max_cached_tokens with SGLang's {type(upstream).__name__} "
@@ -243,30 +244,12 @@ class ElasticScope:
     def _check_ranks_agree(self) -> None:
         """Refuse a physical budget at PP > 1 (``UnsupportedConfiguration``).
 
-        SGLang's TP ranks each run the same scheduler on the same inputs and must take the
-        same decisions. Without a physical budget every rank's capacity is the logical count
-        (identical on all ranks; a device shortage fails loudly on the rank that hits it).
-        With one (``limit_bytes``, ``gpu_ledger``) the attention-TP ranks agree every
-        allocation and their physical room (``allocator``, ``mamba_allocator``).
-
-        Pipeline stages take their own decisions too: in SGLang 0.5.23's
-        ``SchedulerPPMixin.event_loop_pp`` (``managers/scheduler_pp_mixin.py``) every stage
-        calls ``get_next_batch_to_run`` on its own ``token_to_kv_pool_allocator``; a later
-        stage gets the previous stage's *requests* (sent by ``_pp_send_pyobj_to_next_stage``
-        before that stage schedules, received by ``RequestReceiver._pull_raw_reqs``), not
-        its batches, and re-derives each micro-batch. So a per-stage budget needs agreement
-        over a group spanning the stages, entered at the same allocations on every stage.
-        The stages run that loop skewed: stage ``s`` schedules micro-batch ``i`` only after
-        its blocking ``_pp_recv_proxy_tensors`` for ``i - 1`` (the previous stage's hidden
-        states, sent after that stage launched ``i - 1``), and stage 0 takes the last stage's
-        outputs in ``_pp_commit_send_output_work_and_preprocess_output_tensors``. A
-        cross-stage all-reduce at each allocation would hold stage 0 until the last stage
-        reached the same micro-batch (collapsing the pipeline's overlap), and whether it can
-        deadlock depends on how those NCCL point-to-point transfers (and the async-depth
-        output stash, and the disaggregated loops' own consensus exchanges) order against it,
-        which no CPU test here can exercise. Following stage 0's decisions instead is no
-        better: a later stage with a smaller budget could not back them. So a budget at
-        PP > 1 stays refused; without one every stage's capacity is the logical count."""
+        TP ranks run the same scheduler on the same inputs, so with a budget they agree each
+        allocation and their room (``allocator``, ``mamba_allocator``); without one every
+        rank's capacity is the same logical count. SGLang's pipeline stages each schedule
+        their own micro-batches from their own allocator, running skewed; agreeing them would
+        take a cross-stage collective at every allocation, ordered against the stages'
+        point-to-point transfers, so a budget at PP > 1 is refused."""
         budget = self.config.limit_bytes is not None or self.config.gpu_ledger
         tp, pp = _parallel_sizes()
         if budget and pp > 1:
@@ -312,6 +295,24 @@ class ElasticScope:
                 f"kvcore elastic KV does not support {', '.join(bad)}",
                 hint="turn the named option off or start without --kvcore-elastic",
             )
+
+
+def elastic_allocator(upstream: Any) -> Any:
+    """The elastic equivalent of SGLang's freshly built allocator ``upstream``: the hybrid
+    ``SWATokenToKVPoolAllocator`` becomes ``kvcore.adapters.sglang.swa``'s elastic SWA
+    allocator, a token or paged one ``kvcore.adapters.sglang.allocators``'. Raises
+    ``UnsupportedConfiguration`` naming the allocator class for any other (HiSparse,
+    page-interleave sharding, NPU, DSV4, unified pools) and for one that is elastic already
+    (speculative decoding)."""
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+
+    from kvcore.adapters.sglang.swa import elastic_swa_allocator
+
+    if isinstance(upstream, SWATokenToKVPoolAllocator) and not is_elastic(
+        getattr(upstream, "full_attn_allocator", None)
+    ):
+        return elastic_swa_allocator(upstream)
+    return elastic_token_allocator(upstream)
 
 
 def _tp_agreement(config: ElasticConfig) -> RankAgreement | None:

@@ -47,7 +47,8 @@ from typing import Any, NamedTuple
 import torch
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 
-from kvcore.adapters.sglang.allocators import _eviction_asks_allocator, elastic_allocator
+from kvcore.adapters.sglang.allocators import elastic_token_allocator
+from kvcore.adapters.sglang.eviction import eviction_asks_allocator
 from kvcore.errors import UnsupportedConfiguration
 from kvcore.parallel.agreement import AgreedRoom, Agreement, RoomLedger
 
@@ -74,10 +75,10 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):  # type: igno
                 hint="run the hybrid SWA model without the per-request ring, or without "
                 "--kvcore-elastic",
             )
-        self.full_attn_allocator = elastic_allocator(self.full_attn_allocator)
-        self.swa_attn_allocator = elastic_allocator(self.swa_attn_allocator)
+        self.full_attn_allocator = elastic_token_allocator(self.full_attn_allocator)
+        self.swa_attn_allocator = elastic_token_allocator(self.swa_attn_allocator)
         if self.full_attn_allocator.max_cached_tokens is not None and not (
-            _eviction_asks_allocator()
+            eviction_asks_allocator()
         ):
             raise UnsupportedConfiguration(
                 "--kvcore-config max_cached_tokens with the hybrid SWA allocator needs SGLang "

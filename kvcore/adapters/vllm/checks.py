@@ -3,7 +3,7 @@
 ``check_vllm_config(vllm_config, kv_cache_config)`` raises ``UnsupportedConfiguration``
 naming the first setting elastic mode does not support yet, with what to change. It runs in
 the engine core before any KV memory is allocated, so an unsupported engine never starts
-half elastic (DESIGN.md section 8: no silent fallback).
+half elastic: an unsupported setting fails at start-up, never falls back silently.
 """
 
 from __future__ import annotations

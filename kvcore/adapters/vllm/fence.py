@@ -32,13 +32,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
-from kvcore.budget.gate import MemoryGate
 from kvcore.memory.blocks import BlockLedger
+from kvcore.memory.chain import LedgerFactory
 from kvcore.memory.geometry import KVGeometry
-from kvcore.memory.mapper import PageMapper
 from kvcore.memory.pages import PageAllocator
 
-__all__ = ["FencedBlockLedger", "StepFence", "fenced_block_supply"]
+__all__ = ["FencedBlockLedger", "StepFence", "fenced_ledger"]
 
 
 class StepFence:
@@ -95,43 +94,27 @@ class FencedBlockLedger(BlockLedger):
         geometry: KVGeometry,
         pages: PageAllocator,
         fence: StepFence,
-        reserved_blocks: Iterable[int] = (),
+        pinned_blocks: Iterable[int] = (),
     ) -> None:
         if fence.pages is not pages:
             raise ValueError("fenced block ledger: the fence retires another page allocator")
-        super().__init__(geometry, pages, reserved_blocks)
+        super().__init__(geometry, pages, pinned_blocks)
         self.fence = fence
 
     def free(self, block_ids: Sequence[int], fence: int | None = None) -> None:
         super().free(block_ids, self.fence.current() if fence is None else fence)
 
 
-def fenced_block_supply(
-    geometry: KVGeometry,
-    mapper: PageMapper,
-    gate: MemoryGate,
-    *,
-    reserve_min: int,
-    reserve_max: int,
-    release_fence: bool,
-) -> tuple[PageAllocator, StepFence, FencedBlockLedger]:
-    """The chain an elastic vLLM block pool draws from, over ``mapper`` (a local mapper, or
-    the channel coordinator driving every TP x PP rank): a ``PageAllocator`` charging
-    ``gate`` (reserve bounds clipped to the page count), its ``StepFence`` (``release_fence``:
-    overlapping batches) and the ``FencedBlockLedger`` with vLLM's null block 0 reserved.
+def fenced_ledger(*, release_fence: bool) -> LedgerFactory:
+    """The ledger factory of an elastic vLLM block pool's ``MemoryChain``
+    (``kvcore.memory.chain``), over a local mapper or the channel coordinator driving every
+    TP x PP rank: a ``FencedBlockLedger`` with vLLM's null block 0 reserved, whose
+    ``StepFence`` (``ledger.fence``) is enabled with ``release_fence`` (overlapping
+    batches). Raises what ``BlockLedger`` raises (``PoolFailed`` when block 0's page cannot
+    be mapped)."""
 
-    Raises what ``PageAllocator`` and ``BlockLedger`` raise (``PoolFailed`` when block 0's
-    page cannot be mapped); on failure the allocator made here is closed again."""
-    pages = PageAllocator(
-        mapper,
-        gate,
-        reserve_min=min(reserve_min, geometry.num_pages),
-        reserve_max=min(reserve_max, geometry.num_pages),
-    )
-    try:
+    def make(geometry: KVGeometry, pages: PageAllocator) -> FencedBlockLedger:
         fence = StepFence(pages, enabled=release_fence)
-        ledger = FencedBlockLedger(geometry, pages, fence, reserved_blocks=(0,))
-    except BaseException:
-        pages.close()
-        raise
-    return pages, fence, ledger
+        return FencedBlockLedger(geometry, pages, fence, pinned_blocks=(0,))
+
+    return make

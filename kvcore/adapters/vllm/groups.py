@@ -1,4 +1,4 @@
-"""vLLM's ``KVCacheConfig`` as a kvcore model-family layout (DESIGN.md section 7).
+"""vLLM's ``KVCacheConfig`` as a kvcore model-family layout (``kvcore.memory.families``).
 
 vLLM 0.33.0 plans one backing allocation for every KV cache group: groups *overlay* each
 other from byte 0 (a block id belongs to one group at a time; one ``BlockPool`` serves them

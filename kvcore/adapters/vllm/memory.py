@@ -21,38 +21,46 @@ does not stop the rest; the first failure is raised at the end.
 ``KVMemory`` is what the elastic block pool and the runtime see of a vLLM KV memory, whatever
 holds its pages: this module's ``ElasticKVMemory`` (one process) and
 ``kvcore.adapters.vllm.parallel.ChannelKVMemory`` (every TP x PP rank over a channel) both
-derive from it.
+derive from it. Both build their parts with ``kvcore.memory.chain.MemoryChain``, as SGLang's
+adapter does.
 
-(SGLang's adapter has the same chain for its pools; the two should move into one
-engine-agnostic module of kvcore's core once both settle.)
+``engine_options`` reads ``KVCacheConfig.kvcore`` back into the ``ElasticConfig`` and the
+``RELEASE_FENCE`` flag the engine core adds beside the options; the one-process and the
+TP x PP side both read it here.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from kvcore.adapters.config import ElasticConfig
-from kvcore.adapters.vllm.fence import fenced_block_supply
+from kvcore.adapters.gates import open_gate
+from kvcore.adapters.vllm.fence import FencedBlockLedger, StepFence, fenced_ledger
 from kvcore.adapters.vllm.groups import family_layout
 from kvcore.budget.gate import MemoryGate
 from kvcore.errors import KvcoreError
-from kvcore.memory.blocks import BlockLedger
-from kvcore.memory.local_mapper import LocalPageMapper
+from kvcore.memory.chain import MemoryChain
+from kvcore.memory.families import FamilyLayout
+from kvcore.memory.geometry import KVGeometry
 from kvcore.memory.pages import PageAllocator, PageStats
-from kvcore.memory.teardown import CloseOnce, OnError, PartFailure, close_parts
-from kvcore.memory.virtual_cache import VirtualKVCache
+from kvcore.memory.teardown import CloseOnce, PartFailure
 from kvcore.vmm import open_backend
 from kvcore.vmm.base import VmmBackend
 
-__all__ = ["ElasticKVMemory", "KVMemory", "settings_dict"]
+__all__ = ["RELEASE_FENCE", "ElasticKVMemory", "KVMemory", "engine_options", "settings_dict"]
 
 log = logging.getLogger(__name__)
+
+RELEASE_FENCE = "release_fence"
+"""The ``KVCacheConfig.kvcore`` key (vLLM-side, not an ``ElasticConfig`` option) saying the
+engine runs overlapping batches, so freed pages wait behind ``fence.StepFence``."""
 
 
 def settings_dict(config: ElasticConfig) -> dict[str, Any]:
@@ -60,6 +68,14 @@ def settings_dict(config: ElasticConfig) -> dict[str, Any]:
     out = asdict(config)
     out["backend_options"] = dict(config.backend_options)
     return out
+
+
+def engine_options(settings: Mapping[str, Any] | None) -> tuple[ElasticConfig, bool]:
+    """``KVCacheConfig.kvcore`` (without the TP x PP entry) as the ``ElasticConfig`` and the
+    ``RELEASE_FENCE`` flag. Raises ``UnsupportedConfiguration`` for any other unknown key."""
+    options = dict(settings or {})
+    release_fence = bool(options.pop(RELEASE_FENCE, False))
+    return ElasticConfig.parse(options), release_fence
 
 
 class KVMemory:
@@ -87,6 +103,10 @@ class KVMemory:
         """Call ``callback()`` once, when ``close()`` starts (a registry forgetting this
         memory; a failing callback is logged); at once if it is closed already."""
         self._once.on_close(callback)
+
+    def close(self) -> None:
+        """Release every part (the subclass's); idempotent."""
+        raise NotImplementedError
 
 
 class ElasticKVMemory(KVMemory):
@@ -124,44 +144,45 @@ class ElasticKVMemory(KVMemory):
     ) -> None:
         super().__init__()
         self.config = config
-        self.cache: VirtualKVCache | None = None
-        self.mapper: LocalPageMapper | None = None
-        self.ledger: BlockLedger
-        if gate is not None:
-            self.gate = gate  # set first: a failed start below still closes it
-        if backend is None:
-            backend = open_backend(config.backend, device_index, **dict(config.backend_options))
-        self.backend = backend
-        try:
+        self.layout: FamilyLayout
+
+        def plan(backend: VmmBackend | None) -> KVGeometry:
+            assert backend is not None
             self.layout = family_layout(
                 kv_cache_config,
-                self.backend.granularity(),
+                backend.granularity(),
                 page_bytes=config.page_bytes,
                 pad=not kv_cache_config.kv_cache_tensors,  # nothing views kvcore's rows
             )
-            self.geometry = self.layout.geometry
-            g = self.geometry
-            num_blocks, block_bytes = g.num_blocks, g.block_bytes * g.num_layers * g.kv_buffers
-            self.cache = VirtualKVCache(
-                self.backend,
-                self.geometry,
-                sanity=config.sanity,
-                contiguous=True,  # per-layer: vLLM views one buffer, a region per layer
-            )
-            self.mapper = LocalPageMapper(self.cache)
-            if gate is None:
-                self.gate = self._gate(config, num_blocks * block_bytes)
-            self.pages, self.fence, self.ledger = fenced_block_supply(
-                self.geometry,
-                self.mapper,
-                self.gate,
-                reserve_min=config.reserve_min,
-                reserve_max=config.reserve_max,
-                release_fence=release_fence,
-            )
-        except BaseException:
-            self._teardown(on_error="log")  # the error that stopped the start is raised
-            raise
+            return self.layout.geometry
+
+        self.chain = MemoryChain.build(
+            plan,
+            backend=backend,
+            open_backend=functools.partial(
+                open_backend, config.backend, device_index, **dict(config.backend_options)
+            ),
+            gate=gate,
+            open_gate=functools.partial(_open_gate, config),
+            ledger=fenced_ledger(release_fence=release_fence),
+            sanity=config.sanity,
+            contiguous=True,  # per-layer: vLLM views one buffer, a region per layer
+            reserve_min=config.reserve_min,
+            reserve_max=config.reserve_max,
+        )
+        chain = self.chain
+        assert chain.backend is not None and chain.gate is not None
+        assert isinstance(chain.ledger, FencedBlockLedger)
+        self.backend: VmmBackend = chain.backend
+        self.geometry = chain.geometry
+        self.cache = chain.cache
+        self.mapper = chain.mapper
+        self.gate: MemoryGate = chain.gate
+        self.pages = chain.pages
+        self.ledger: FencedBlockLedger = chain.ledger
+        self.fence: StepFence = chain.ledger.fence
+        g = self.geometry
+        num_blocks, block_bytes = g.num_blocks, g.block_bytes * g.num_layers * g.kv_buffers
         log.info(
             "kvcore: elastic KV cache of %d blocks (%d bytes each; logical capacity %d bytes) "
             "on %d pages of %d bytes, %s layout (%s backend, physical limit %s, gpu_ledger %s)",
@@ -174,16 +195,6 @@ class ElasticKVMemory(KVMemory):
             self.backend.name,
             "none" if config.limit_bytes is None else config.limit_bytes,
             config.gpu_ledger,
-        )
-
-    def _gate(self, config: ElasticConfig, capacity: int) -> MemoryGate:
-        import vllm
-
-        return config.make_gate(
-            self.backend,
-            name=f"vllm-{os.getpid()}-{capacity}",
-            engine="vllm",
-            engine_version=str(vllm.__version__),
         )
 
     def buffer(self) -> torch.Tensor:
@@ -205,7 +216,7 @@ class ElasticKVMemory(KVMemory):
         that failed (the first failure as its cause). The memory is closed either way."""
         if self._once.begin():
             self._log_page_work()
-            self._teardown(on_error=_shutdown_error)
+            self.chain.close(on_error=_shutdown_error)
 
     def _log_page_work(self) -> None:
         """What the page allocator did over the engine's life, at INFO: how the mapping work
@@ -223,18 +234,23 @@ class ElasticKVMemory(KVMemory):
             stats.misses,
         )
 
-    def _teardown(self, *, on_error: OnError) -> None:
-        """Close every part that exists (``kvcore.memory.teardown.close_parts``)."""
-        close_parts(
-            [
-                ("page allocator", self.pages),
-                ("mapper", self.mapper),
-                ("virtual KV cache", self.cache),
-                ("memory gate", getattr(self, "gate", None)),
-                (f"{self.backend.name} backend", self.backend),
-            ],
-            on_error=on_error,
-        )
+
+def _open_gate(
+    config: ElasticConfig, backend: VmmBackend | None, geometry: KVGeometry
+) -> MemoryGate:
+    """The gate ``config`` describes, for this process's instance (named after its pid and
+    logical capacity)."""
+    import vllm
+
+    g = geometry
+    capacity = g.num_blocks * g.block_bytes * g.num_layers * g.kv_buffers
+    return open_gate(
+        config,
+        name=f"vllm-{os.getpid()}-{capacity}",
+        engine="vllm",
+        engine_version=str(vllm.__version__),
+        backend=backend,
+    )
 
 
 def _shutdown_error(failed: Sequence[PartFailure]) -> KvcoreError:

@@ -42,6 +42,7 @@ ranks only); see docs/channel.md for every outcome.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import threading
@@ -49,20 +50,22 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kvcore.adapters.config import ElasticConfig
+from kvcore.adapters.gates import open_gate
+from kvcore.adapters.vllm.fence import FencedBlockLedger, StepFence, fenced_ledger
 from kvcore.adapters.vllm.groups import engine_row_bytes, family_layout
-from kvcore.adapters.vllm.memory import KVMemory
-from kvcore.budget.gate import BudgetGate, MemoryGate, UnlimitedGate
-from kvcore.budget.rank_gates import RankLedgerGates, publish_device
+from kvcore.adapters.vllm.memory import KVMemory, engine_options
+from kvcore.budget.gate import MemoryGate
+from kvcore.budget.rank_gates import publish_device
 from kvcore.errors import ChannelError, PoolFailed, UnsupportedConfiguration, WorkersMissing
+from kvcore.memory.chain import MemoryChain
 from kvcore.memory.geometry import KVGeometry
 from kvcore.memory.local_mapper import LocalPageMapper
 from kvcore.memory.teardown import close_parts
-from kvcore.memory.virtual_cache import VirtualKVCache
 from kvcore.parallel.channel import (
     ChannelCoordinator,
     ChannelDirectory,
@@ -70,9 +73,7 @@ from kvcore.parallel.channel import (
     socket_path,
 )
 from kvcore.vmm import open_backend
-
-if TYPE_CHECKING:
-    from kvcore.adapters.vllm.fence import FencedBlockLedger
+from kvcore.vmm.base import VmmBackend
 
 __all__ = [
     "PARALLEL_KEY",
@@ -141,11 +142,7 @@ def parallel_settings(settings: Mapping[str, Any] | None) -> ParallelSettings | 
 def _options(settings: Mapping[str, Any] | None) -> tuple[ElasticConfig, bool]:
     """``KVCacheConfig.kvcore`` as the ``ElasticConfig`` and the release-fence flag (the
     entries the engine core adds beside the options)."""
-    from kvcore.adapters.vllm.runtime import RELEASE_FENCE
-
-    options = {k: v for k, v in (settings or {}).items() if k != PARALLEL_KEY}
-    release_fence = bool(options.pop(RELEASE_FENCE, False))
-    return ElasticConfig.parse(options), release_fence
+    return engine_options({k: v for k, v in (settings or {}).items() if k != PARALLEL_KEY})
 
 
 # ---------------------------------------------------------------------------- engine core
@@ -229,73 +226,69 @@ class ChannelKVMemory(KVMemory):
         timeout: float | None = None,
         gate: MemoryGate | None = None,
     ) -> None:
-        from kvcore.adapters.vllm.fence import fenced_block_supply
-
         super().__init__()
         self.config = config
         self.parallel = parallel
-        self.ledger: FencedBlockLedger
-        self.gate: MemoryGate | None = gate
-        self.coordinator: ChannelCoordinator | None = None
         try:
-            self.coordinator = _connect(parallel, connect_timeout, timeout)
-            if self.gate is None:
-                self.gate = _gate(config, parallel, num_blocks * block_bytes)
-            self.geometry = _engine_geometry(self.coordinator, num_blocks, block_bytes)
-            pages = self.geometry.num_pages
-            self.pages, self.fence, self.ledger = fenced_block_supply(
-                self.geometry,
-                self.coordinator,
-                self.gate,
-                reserve_min=config.reserve_min,
-                reserve_max=config.reserve_max,
-                release_fence=release_fence,
-            )
-        except BaseException:
-            self._teardown()
+            coordinator = self.coordinator = _connect(parallel, connect_timeout, timeout)
+        except BaseException:  # nothing else is open yet: only a gate handed in
+            close_parts([("memory gate", gate)], on_error="log")
             raise
+        self.chain = MemoryChain.build(
+            lambda _: _engine_geometry(coordinator, num_blocks, block_bytes),
+            mapper=coordinator,
+            gate=gate,
+            open_gate=functools.partial(_open_gate, config, parallel, num_blocks * block_bytes),
+            ledger=fenced_ledger(release_fence=release_fence),
+            reserve_min=config.reserve_min,
+            reserve_max=config.reserve_max,
+            label="channel",
+        )
+        chain = self.chain
+        assert chain.gate is not None and isinstance(chain.ledger, FencedBlockLedger)
+        self.geometry = chain.geometry
+        self.gate: MemoryGate = chain.gate
+        self.pages = chain.pages
+        self.ledger: FencedBlockLedger = chain.ledger
+        self.fence: StepFence = chain.ledger.fence
         log.info(
             "kvcore: elastic KV cache of %d blocks on %d pages over %d ranks (worker pids %s)",
             num_blocks,
-            pages,
+            self.geometry.num_pages,
             parallel.world_size,
-            self.coordinator.worker_pids,
+            coordinator.worker_pids,
         )
 
     def close(self) -> None:
         """Unmap every page on every rank, close the channel (the workers release their
         mappers) and remove its directory. Idempotent; never raises (failures are logged).
         After a fail-stop only this side is closed: the workers' memory goes with their
-        processes."""
+        processes (the page allocator's ``PoolFailed`` is logged at INFO)."""
         if self._once.begin():
-            self._teardown()
-
-    def _teardown(self) -> None:
-        if self.pages is not None:
-            try:
-                self.pages.close()
-            except PoolFailed as exc:  # a fail-stop, or vLLM stopped the workers first
-                log.info("kvcore: the workers' pages go with their processes: %s", exc)
-            except Exception:
-                log.exception("kvcore: closing the page allocator failed")
-        close_parts([("channel", self.coordinator), ("memory gate", self.gate)], on_error="log")
+            self.chain.close(on_error="log", tolerate=(PoolFailed,))
 
 
-def _gate(config: ElasticConfig, parallel: ParallelSettings, capacity: int) -> MemoryGate:
+def _open_gate(
+    config: ElasticConfig,
+    parallel: ParallelSettings,
+    capacity: int,
+    _backend: VmmBackend | None,
+    _geometry: KVGeometry,
+) -> MemoryGate:
     """The gate ``config`` asks for (module docstring: per GPU, one ledger record per rank)."""
-    if config.gpu_ledger:
+    version = ""
+    if config.gpu_ledger:  # only a ledger record names the engine's version
         import vllm
 
-        return RankLedgerGates.open(
-            parallel.channel_dir,
-            parallel.world_size,
-            name=f"vllm-{os.getpid()}-{capacity}",
-            engine="vllm",
-            engine_version=str(vllm.__version__),
-            limit=config.limit_bytes or 0,
-            directory=Path(config.ledger_dir) if config.ledger_dir else None,
-        )
-    return BudgetGate(config.limit_bytes) if config.limit_bytes is not None else UnlimitedGate()
+        version = str(vllm.__version__)
+    return open_gate(
+        config,
+        name=f"vllm-{os.getpid()}-{capacity}",
+        engine="vllm",
+        engine_version=version,
+        channel_dir=parallel.channel_dir,
+        world_size=parallel.world_size,
+    )
 
 
 def _connect(
@@ -464,19 +457,27 @@ class WorkerKVMemory:
         device_index: int = 0,
     ) -> None:
         self.rank = rank
-        self.cache: VirtualKVCache | None = None
-        self.mapper: LocalPageMapper | None = None
-        self.listener: WorkerListener | None = None
         self._closed = False
-        self.backend = open_backend(config.backend, device_index, **dict(config.backend_options))
+        # the layout a single-GPU worker uses (ElasticKVMemory): the same rows and pages
+        self.chain = MemoryChain.build(
+            lambda backend: (
+                family_layout(
+                    kv_cache_config, _granularity(backend), page_bytes=config.page_bytes
+                ).geometry
+            ),
+            open_backend=functools.partial(
+                open_backend, config.backend, device_index, **dict(config.backend_options)
+            ),
+            sanity=config.sanity,
+        )  # no gate: the engine core's page allocator decides every page
+        chain = self.chain
+        assert chain.backend is not None and isinstance(chain.mapper, LocalPageMapper)
+        self.backend: VmmBackend = chain.backend
+        self.geometry = chain.geometry
+        self.cache = chain.cache
+        self.mapper: LocalPageMapper = chain.mapper
+        self.listener: WorkerListener | None = None
         try:
-            # the layout a single-GPU worker uses (ElasticKVMemory): the same rows and pages
-            layout = family_layout(
-                kv_cache_config, self.backend.granularity(), page_bytes=config.page_bytes
-            )
-            self.geometry = layout.geometry
-            self.cache = VirtualKVCache(self.backend, self.geometry, sanity=config.sanity)
-            self.mapper = LocalPageMapper(self.cache)
             served = _NullPageFirst(self.mapper, self.geometry.page_of(0))
             publish_device(parallel.channel_dir, rank, self.backend)  # for per-rank ledgers
             self.listener = WorkerListener(
@@ -502,18 +503,13 @@ class WorkerKVMemory:
         self._teardown()
 
     def _teardown(self) -> None:
-        for close in (
-            getattr(self.listener, "close", None),
-            getattr(self.mapper, "close", None),
-            getattr(self.cache, "close", None),
-            self.backend.close,
-        ):
-            if close is None:
-                continue
-            try:
-                close()
-            except Exception:  # keep tearing down the rest
-                log.exception("kvcore: closing %s failed", close)
+        """Stop the listener, then the chain (mapper, range, backend); failures are logged."""
+        close_parts([("channel listener", self.listener), *self.chain.parts()], on_error="log")
+
+
+def _granularity(backend: VmmBackend | None) -> int:
+    assert backend is not None
+    return backend.granularity()
 
 
 _workers: dict[tuple[int, int], WorkerKVMemory] = {}

@@ -87,7 +87,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             raise KvcoreError(
                 f"elastic block pool: the ledger covers {ledger.geometry.num_blocks} blocks "
                 f"(block 0 reserved: {ledger.is_allocated(0)}), vLLM plans {num_gpu_blocks}",
-                hint="build the ledger from the KVCacheConfig with reserved_blocks=(0,)",
+                hint="build the ledger from the KVCacheConfig with pinned_blocks=(0,)",
             )
         self.ledger = ledger
         self.max_cached_blocks = max_cached_blocks

@@ -156,7 +156,8 @@ def _ledger_figures(
     record is another instance's."""
     if not config.gpu_ledger:
         return None, 0
-    from kvcore.budget.ledger import GpuLedger, Liveness
+    from kvcore.budget.ledger import GpuLedger
+    from kvcore.budget.ledger_file import Liveness
 
     directory = Path(config.ledger_dir) if config.ledger_dir else None
     with GpuLedger.open(backend.device_uuid(), device_total=total, directory=directory) as led:

@@ -25,9 +25,12 @@ The patch series adds one carrier and three call sites (``patches/vllm/<version>
 
 One ``ElasticKVMemory`` per KV buffer per process holds the whole object chain (backend,
 virtual tensor, mapper, page allocator, ledger), found again by the KV cache's
-``(num_blocks, bytes per block)``; closing it (shutdown, or interpreter exit) removes it from
-this registry, so a closed memory is never handed out again. A pool that had to make its own
-closes it when the pool is closed or collected.
+``(num_blocks, bytes per block)`` in this process's ``MemoryRegistry``; closing it (shutdown,
+or interpreter exit) removes it from the registry, so a closed memory is never handed out
+again. A pool that had to make its own memory (a scheduler without a worker in its process,
+the TP x PP engine core) closes it when the pool is closed or collected; the registry knows
+those memories too, so ``close_all()`` (also run at interpreter exit) closes every memory of
+the process at a known point, whatever the garbage collector has done.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import functools
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,7 +48,13 @@ import torch
 from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.vllm.checks import check_vllm_config
 from kvcore.adapters.vllm.groups import engine_row_bytes, pad_for_pages
-from kvcore.adapters.vllm.memory import ElasticKVMemory, settings_dict
+from kvcore.adapters.vllm.memory import (
+    RELEASE_FENCE,
+    ElasticKVMemory,
+    KVMemory,
+    engine_options,
+    settings_dict,
+)
 from kvcore.adapters.vllm.parallel import (
     PARALLEL_KEY,
     ChannelKVMemory,
@@ -60,23 +70,111 @@ from kvcore.vmm import open_backend
 from kvcore.vmm.base import VmmBackend
 
 __all__ = [
+    "RELEASE_FENCE",
+    "MemoryRegistry",
+    "close_all",
     "elastic_block_pool_class",
     "elastic_kv_buffer",
     "elastic_settings",
     "existing_memory",
     "memory_for",
+    "registry",
     "release_kv_memory",
 ]
 
 log = logging.getLogger(__name__)
 
-_lock = threading.Lock()
-_memories: dict[tuple[int, int], ElasticKVMemory] = {}  # KV buffers made in this process
-_claimed: set[tuple[int, int]] = set()  # ... whose ledger a block pool took
+Key = tuple[int, int]
+"""A KV buffer's ``(num_blocks, bytes per block)``."""
 
-RELEASE_FENCE = "release_fence"
-"""The ``KVCacheConfig.kvcore`` key (vLLM-side, not an ``ElasticConfig`` option) saying the
-engine runs overlapping batches, so freed pages wait behind ``fence.StepFence``."""
+
+class MemoryRegistry:
+    """This process's vLLM KV memories (module docstring). Thread-safe.
+
+    * shared memories, one per ``Key``: made by ``memory_for`` (the worker's buffer), each
+      taken by at most one block pool (``claim``);
+    * pool-owned memories (``adopt``): made by a block pool for itself, closed with it.
+
+    A memory leaves the registry when it starts closing (its ``on_close``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._shared: dict[Key, ElasticKVMemory] = {}
+        self._claimed: set[Key] = set()  # shared memories whose ledger a block pool took
+        self._owned: dict[int, KVMemory] = {}  # id() -> a pool's own memory
+
+    def live(self, key: Key) -> ElasticKVMemory | None:
+        """The open shared memory for ``key``, or ``None``."""
+        with self._lock:
+            return self._live(key)
+
+    def get_or_make(
+        self, key: Key, make: Callable[[], ElasticKVMemory]
+    ) -> tuple[ElasticKVMemory, bool]:
+        """The open shared memory for ``key`` and ``False``, else ``make()``'s (registered
+        now) and ``True``. ``make`` runs under the registry's lock."""
+        with self._lock:
+            memory = self._live(key)
+            if memory is not None:
+                return memory, False
+            memory = self._shared[key] = make()
+        memory.on_close(functools.partial(self._forget, key, memory))
+        return memory, True
+
+    def claim(self, key: Key) -> ElasticKVMemory | None:
+        """The open shared memory for ``key`` if no block pool took it yet (it is taken now),
+        else ``None``."""
+        with self._lock:
+            memory = self._live(key)
+            if memory is None or key in self._claimed:
+                return None
+            self._claimed.add(key)
+            return memory
+
+    def adopt(self, memory: KVMemory) -> None:
+        """Know a block pool's own ``memory`` until it closes (``close_all`` closes it)."""
+        with self._lock:
+            self._owned[id(memory)] = memory
+        memory.on_close(functools.partial(self._disown, memory))
+
+    def release_shared(self) -> None:
+        """Close every shared memory (``release_kv_memory``); never raises."""
+        with self._lock:
+            memories = list(self._shared.values())
+        for memory in memories:
+            _close_quietly(memory)
+
+    def close_all(self) -> None:
+        """Close every memory of the registry, shared and pool-owned; never raises."""
+        self.release_shared()
+        with self._lock:
+            owned = list(self._owned.values())
+        for memory in owned:
+            _close_quietly(memory)
+
+    def _live(self, key: Key) -> ElasticKVMemory | None:
+        """The registered memory for ``key``, dropping a closed one. Caller holds the lock."""
+        memory = self._shared.get(key)
+        if memory is not None and memory.closed:
+            del self._shared[key]
+            self._claimed.discard(key)
+            return None
+        return memory
+
+    def _forget(self, key: Key, memory: ElasticKVMemory) -> None:
+        """``memory`` is closing: it is no longer handed out."""
+        with self._lock:
+            if self._shared.get(key) is memory:
+                del self._shared[key]
+                self._claimed.discard(key)
+
+    def _disown(self, memory: KVMemory) -> None:
+        with self._lock:
+            self._owned.pop(id(memory), None)
+
+
+registry = MemoryRegistry()
+"""This process's registry: the one the patched vLLM's seams use."""
 
 
 def elastic_settings(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
@@ -145,18 +243,14 @@ def elastic_block_pool_class(kv_cache_config: Any) -> Any:
     own scheduler tests), over kvcore memory of its own that lives as long as the pool."""
     from kvcore.adapters.vllm.pool import ElasticBlockPool
 
-    key = _key(kv_cache_config)
-    with _lock:
-        local = _live(key)
-        shared = local is not None and key not in _claimed
-        if shared:
-            _claimed.add(key)
-    memory: ElasticKVMemory | ChannelKVMemory | None = local
-    if not shared and parallel_settings(kv_cache_config.kvcore) is not None:
-        memory = engine_memory(kv_cache_config)  # TP x PP: the ranks' workers hold the pages
-    elif not shared:
-        memory = _make(kv_cache_config, 0)
-    assert memory is not None
+    memory: ElasticKVMemory | ChannelKVMemory | None = registry.claim(_key(kv_cache_config))
+    shared = memory is not None
+    if memory is None:
+        if parallel_settings(kv_cache_config.kvcore) is not None:
+            memory = engine_memory(kv_cache_config)  # TP x PP: the ranks' workers hold the pages
+        else:
+            memory = _make(kv_cache_config, 0)
+        registry.adopt(memory)
     bound = memory.config.max_cached_tokens
     max_cached = None if bound is None else max(bound // _block_size(kv_cache_config), 0)
 
@@ -193,28 +287,25 @@ def memory_for(
     ``ElasticKVMemory``); the memory takes them over. Raises ``KvcoreError`` when either
     is given but the memory already exists (they cannot change any more)."""
     key = _key(kv_cache_config)
-    with _lock:
-        memory = _live(key)
-        if memory is None:
-            memory = _memories[key] = _make(kv_cache_config, device_index, gate, backend)
-            memory.on_close(functools.partial(_forget, key, memory))
-        elif (gate is not None and memory.gate is not gate) or (
-            backend is not None and memory.backend is not backend
-        ):
-            raise KvcoreError(
-                f"elastic KV: the memory of {key[0]} blocks of {key[1]} bytes already exists "
-                "with its own memory gate and backend",
-                hint="pass gate=/backend= on the first memory_for call, before the scheduler "
-                "is built",
-            )
+    memory, made = registry.get_or_make(
+        key, functools.partial(_make, kv_cache_config, device_index, gate, backend)
+    )
+    if not made and (
+        (gate is not None and memory.gate is not gate)
+        or (backend is not None and memory.backend is not backend)
+    ):
+        raise KvcoreError(
+            f"elastic KV: the memory of {key[0]} blocks of {key[1]} bytes already exists "
+            "with its own memory gate and backend",
+            hint="pass gate=/backend= on the first memory_for call, before the scheduler is built",
+        )
     return memory
 
 
 def existing_memory(kv_cache_config: Any) -> ElasticKVMemory | None:
     """This process's open kvcore memory for ``kv_cache_config``'s KV buffer, or ``None``
     when none was made here (or it was closed); never makes one (``memory_for`` does)."""
-    with _lock:
-        return _live(_key(kv_cache_config))
+    return registry.live(_key(kv_cache_config))
 
 
 def release_kv_memory() -> None:
@@ -223,32 +314,20 @@ def release_kv_memory() -> None:
     (``ElasticKVMemory.close``). Called by the patched ``Worker.shutdown``; also runs at
     interpreter exit. A failure is logged with its hint and the next memory is still closed:
     this never raises, so vLLM's own teardown after it always runs."""
-    with _lock:
-        memories = list(_memories.values())
-    for memory in memories:
-        _close_quietly(memory)
+    registry.release_shared()
     release_worker_memory()  # a TP x PP rank's buffer (parallel.py)
 
 
-def _live(key: tuple[int, int]) -> ElasticKVMemory | None:
-    """The registered memory for ``key``, dropping a closed one. Caller holds ``_lock``."""
-    memory = _memories.get(key)
-    if memory is not None and memory.closed:
-        del _memories[key]
-        _claimed.discard(key)
-        return None
-    return memory
+def close_all() -> None:
+    """Close every kvcore memory of this process: ``release_kv_memory``'s and those the
+    block pools made for themselves (which otherwise close with their pool: its ``close``,
+    or its collection). Runs at interpreter exit; a test closes everything with it at a
+    known point instead of waiting for the garbage collector. Never raises."""
+    registry.close_all()
+    release_worker_memory()
 
 
-def _forget(key: tuple[int, int], memory: ElasticKVMemory) -> None:
-    """``memory`` is closing: the registry no longer hands it out."""
-    with _lock:
-        if _memories.get(key) is memory:
-            del _memories[key]
-            _claimed.discard(key)
-
-
-def _close_quietly(memory: ElasticKVMemory | ChannelKVMemory) -> None:
+def _close_quietly(memory: KVMemory) -> None:
     try:
         memory.close()
     except KvcoreError as exc:
@@ -263,9 +342,7 @@ def _make(
     gate: MemoryGate | None = None,
     backend: VmmBackend | None = None,
 ) -> ElasticKVMemory:
-    settings = dict(kv_cache_config.kvcore or {})
-    release_fence = bool(settings.pop(RELEASE_FENCE, False))
-    config = ElasticConfig.parse(settings)
+    config, release_fence = engine_options(kv_cache_config.kvcore)
     return ElasticKVMemory(
         config,
         kv_cache_config,
@@ -276,9 +353,7 @@ def _make(
     )
 
 
-@atexit.register
-def _close_all() -> None:
-    release_kv_memory()
+atexit.register(close_all)
 
 
 def _overlapping_batches(vllm_config: Any) -> bool:

@@ -25,9 +25,9 @@ pytestmark = requires_fork
 @pytest.fixture
 def holds(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[PageThreadHold]]:
     """Every kvcore memory built in the test drives its mapper through a hold."""
-    from kvcore.adapters.sglang import manager  # the fork's adapter: only where it runs
+    from kvcore.memory import chain  # builds every adapter's mapper
 
-    with holding_mappers(monkeypatch, manager) as made:
+    with holding_mappers(monkeypatch, chain) as made:
         yield made
 
 

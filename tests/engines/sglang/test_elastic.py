@@ -211,7 +211,8 @@ def test_server_args_flag_in_help() -> None:
 
 
 def test_rank_registers_in_the_gpu_ledger_and_leaves_it(tmp_path: Any) -> None:
-    from kvcore.budget.ledger import GpuLedger, list_ledgers
+    from kvcore.budget.ledger import GpuLedger
+    from kvcore.budget.ledger_file import list_ledgers
 
     e = build("on", size=2048, page_size=16, gpu_ledger=True, ledger_dir=str(tmp_path))
     try:

@@ -35,10 +35,10 @@ pytestmark = requires_fork
 
 
 def _requires_allocator_eviction() -> Any:
-    from kvcore.adapters.sglang.allocators import _eviction_asks_allocator
+    from kvcore.adapters.sglang.eviction import eviction_asks_allocator
 
     return pytest.mark.skipif(
-        not _eviction_asks_allocator(),
+        not eviction_asks_allocator(),
         reason="this SGLang's pre-allocation eviction does not go through the allocator "
         "(evict_to_free_tokens, 0.5.23+); the scheduler's step covers every release (below)",
     )
@@ -427,7 +427,7 @@ def test_a_bound_no_seam_reaches_is_refused(make: Any, monkeypatch: pytest.Monke
 
     e = make("on", size=512, page_size=16, max_cached_tokens=128)
     upstream = e.allocator
-    monkeypatch.setattr(scope_module, "_eviction_asks_allocator", lambda: False)
+    monkeypatch.setattr(scope_module, "eviction_asks_allocator", lambda: False)
     monkeypatch.setattr(scope_module, "elastic_allocator", lambda up: SimpleNamespace())
     with pytest.raises(UnsupportedConfiguration, match="max_cached_tokens"):
         e.scope.allocator(upstream)

@@ -435,9 +435,9 @@ def test_swa_cache_bound_is_refused_where_sglang_cannot_honour_it() -> None:
     """SGLang < 0.5.23 builds an ``SWARadixCache`` (evictable size a (full, SWA) pair) that
     the cache bound does not handle: ``max_cached_tokens`` with the SWA allocator is refused
     there by name (0.5.23+: ``test_cached_token_bound_holds_for_the_swa_allocator``)."""
-    from kvcore.adapters.sglang.allocators import _eviction_asks_allocator
+    from kvcore.adapters.sglang.eviction import eviction_asks_allocator
 
-    if _eviction_asks_allocator():
+    if eviction_asks_allocator():
         pytest.skip("SGLang >= 0.5.23 honours the bound for the SWA allocator")
     with pytest.raises(UnsupportedConfiguration, match="max_cached_tokens"):
         Stack("on", page_size=1, max_cached_tokens=64)

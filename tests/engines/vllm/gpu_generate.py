@@ -149,7 +149,8 @@ def _wait_for_peers(args: argparse.Namespace, timeout: float = 300.0) -> list[tu
     ``ledger_dir`` once ``--ledger-peers`` of them hold memory (or at the timeout)."""
     from pathlib import Path
 
-    from kvcore.budget.ledger import GpuLedger, list_ledgers
+    from kvcore.budget.ledger import GpuLedger
+    from kvcore.budget.ledger_file import list_ledgers
 
     directory = Path(json.loads(args.kvcore_config)["ledger_dir"])
     deadline = time.monotonic() + timeout

@@ -19,7 +19,7 @@ pytest.importorskip("vllm.v1.kv_cache_layout", reason="the test-vllm-* nox sessi
 from test_elastic_families import BF16, Engine, MiB, _close_engines, _prompt
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from kvcore.adapters.vllm import memory
+from kvcore.memory import chain
 from kvcore.memory.pages import PageState
 from tests.memstack import PageThreadHold, holding_mappers
 
@@ -31,7 +31,7 @@ SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=BF16
 @pytest.fixture
 def holds(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[PageThreadHold]]:
     """Every ``ElasticKVMemory`` built in the test drives its mapper through a hold."""
-    with holding_mappers(monkeypatch, memory) as made:
+    with holding_mappers(monkeypatch, chain) as made:
         yield made
 
 

@@ -20,7 +20,6 @@ bytes, and (hybrid) that vLLM's prefix cache keys entries by group with elastic 
 from __future__ import annotations
 
 import dataclasses
-import gc
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -55,6 +54,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from kvcore.adapters.vllm import elastic_settings, memory_for
 from kvcore.adapters.vllm.memory import ElasticKVMemory
 from kvcore.adapters.vllm.pool import ElasticBlockPool
+from kvcore.adapters.vllm.runtime import close_all
 
 BF16 = torch.bfloat16
 MiB = 1 << 20
@@ -69,9 +69,8 @@ _engines: list[Engine] = []
 @pytest.fixture(autouse=True)
 def _close_engines() -> Iterator[None]:
     yield
-    while _engines:  # the worker side's memory is registered per process: shut it down
-        _engines.pop().memory.close()
-    gc.collect()
+    _engines.clear()
+    close_all()  # the worker side's memory and the pools' own: every memory of the process
 
 
 # -- the engine path -------------------------------------------------------------------------

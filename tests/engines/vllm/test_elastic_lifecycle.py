@@ -9,7 +9,6 @@ The model runner is absent, as in vLLM's own scheduler tests: each step's
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ from kvcore.adapters.vllm.memory import ElasticKVMemory
 from kvcore.adapters.vllm.pool import ElasticBlockPool
 from kvcore.adapters.vllm.profiling import elastic_request_memory, plan_memory
 from kvcore.adapters.vllm.runtime import (
+    close_all,
     elastic_settings,
     memory_for,
     release_kv_memory,
@@ -149,8 +149,7 @@ def _records(ledger_dir: Path, uuid: str) -> list[str]:
 @pytest.fixture(autouse=True)
 def _clean() -> Iterator[None]:
     yield
-    release_kv_memory()
-    gc.collect()
+    close_all()  # every memory of the process, the pools' own included: no gc needed
 
 
 # ------------------------------------------------------------------ registry
@@ -172,6 +171,27 @@ def test_a_closed_memory_is_never_handed_out_again() -> None:
     # a block pool built after the close takes the live memory, not a closed one
     scheduler = _scheduler(config, kv)
     assert _pool(scheduler).ledger is third.ledger
+
+
+def test_close_all_closes_a_pools_own_memory_while_the_pool_still_lives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scheduler without a worker in its process makes its memory itself; that memory
+    closes with the pool (``close``, or its collection), and ``close_all`` closes it at a
+    known point: the ledger record is gone without the garbage collector."""
+    monkeypatch.setenv("KVCORE_LEDGER_DIR", str(tmp_path))
+    config = _vllm_config(async_scheduling=False)
+    kv = _elastic(config, 4 * BPP, gpu_ledger=True)
+    scheduler = _scheduler(config, kv)  # no memory_for first: the pool's own memory
+    pool = _pool(scheduler)
+    probe = open_backend("host", 0, granularity=GRAN)
+    uuid = probe.device_uuid()
+    probe.close()
+    assert len(_records(tmp_path, uuid)) == 1
+    close_all()
+    assert _records(tmp_path, uuid) == []
+    assert pool.ledger.pages.stats().mapped == 0
+    scheduler.shutdown()  # the pool's own close afterwards: nothing left, no error
 
 
 # ------------------------------------------------------------------ shutdown

@@ -209,7 +209,8 @@ def test_memory_follows_the_load_and_returns(tmp_path: Path) -> None:
     """Free device memory falls while KV fills, returns when requests finish (less the
     pages still held for reuse), and returns whole when the engine is gone; the per-GPU
     ledger record is removed at shutdown."""
-    from kvcore.budget.ledger import GpuLedger, list_ledgers
+    from kvcore.budget.ledger import GpuLedger
+    from kvcore.budget.ledger_file import list_ledgers
 
     config = {"gpu_ledger": True, "ledger_dir": str(tmp_path)}
     # without prefix caching a finished request's blocks are free at once (cached blocks stay
@@ -238,7 +239,8 @@ def test_two_instances_share_the_gpu_through_one_ledger(tmp_path: Path) -> None:
     """A second elastic instance starts and serves on the GPU while the first holds KV
     memory: both register in one per-GPU ledger, each sees both records holding memory at
     once, both give the same greedy tokens, and the ledger is empty once both are gone."""
-    from kvcore.budget.ledger import GpuLedger, list_ledgers
+    from kvcore.budget.ledger import GpuLedger
+    from kvcore.budget.ledger_file import list_ledgers
 
     config = json.dumps({"gpu_ledger": True, "ledger_dir": str(tmp_path)})
     flags = ("--enforce-eager", "--elastic", "--kvcore-config", config, "--ledger-peers", "2",

@@ -21,7 +21,6 @@ the engine's connect fail with ``WorkersMissing`` naming them.
 from __future__ import annotations
 
 import contextlib
-import gc
 import inspect
 import multiprocessing as mp
 import os
@@ -72,6 +71,7 @@ from kvcore.adapters.vllm.parallel import (  # noqa: E402
     vllm_rank,
 )
 from kvcore.adapters.vllm.pool import ElasticBlockPool  # noqa: E402
+from kvcore.adapters.vllm.runtime import close_all  # noqa: E402
 from kvcore.budget.ledger import GpuLedger  # noqa: E402
 from kvcore.errors import (  # noqa: E402
     ChannelError,
@@ -304,7 +304,7 @@ class Workers:
 @pytest.fixture(autouse=True)
 def _collect() -> Iterator[None]:
     yield
-    gc.collect()  # pools close their kvcore memory when collected
+    close_all()  # the pools' own memories (the engine core's channel), without waiting for gc
 
 
 def _engine(tp: int, pp: int, backend: str = "host", method: str = "fork") -> Any:

@@ -23,7 +23,6 @@ the forward pass is absent (vLLM's own scheduler tests build outputs the same wa
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -49,7 +48,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from kvcore.adapters.vllm import memory_for, warmup_blocks  # noqa: E402
 from kvcore.adapters.vllm.memory import ElasticKVMemory  # noqa: E402
-from kvcore.adapters.vllm.runtime import existing_memory, release_kv_memory  # noqa: E402
+from kvcore.adapters.vllm.runtime import close_all, existing_memory  # noqa: E402
 from kvcore.errors import KvcoreError  # noqa: E402
 from kvcore.memory.pages import PageState  # noqa: E402
 
@@ -77,8 +76,7 @@ def _clean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     # the warm-up's last step waits for the device; the CPU build of torch has none
     monkeypatch.setattr(torch.accelerator, "synchronize", lambda *_a, **_k: None)
     yield
-    release_kv_memory()
-    gc.collect()
+    close_all()
 
 
 # ------------------------------------------------------------------ the stand-ins
