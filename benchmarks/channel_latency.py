@@ -11,9 +11,9 @@ process and by the average worker (load-independent: on an oversubscribed machin
 figures are mostly scheduler wake-up delay). Goal: <= 0.5 ms per page for 4 workers
 (kvcached's published anchor: 2.1 ms).
 
-    python benchmarks/channel_latency.py                          # host backend, CPU
-    python benchmarks/channel_latency.py --backend cuda           # workers share GPU 0
-    python benchmarks/channel_latency.py --backend cuda --devices 2   # worker i -> GPU i % 2
+    python -m benchmarks.channel_latency                          # host backend, CPU
+    python -m benchmarks.channel_latency --backend cuda           # workers share GPU 0
+    python -m benchmarks.channel_latency --backend cuda --devices 2   # worker i -> GPU i % 2
 
 Workers keep no handle pool (``WorkerListener`` trims its mapper's pool after each request
 so the coordinator's ``held_bytes`` is exact): every channel map creates its handle and every

@@ -1,7 +1,7 @@
 """Co-location demo: two (or three) vLLM engine cores, one memory budget, elastic vs static.
 
     nox -s demo                                   # the way to run it (builds its own venv)
-    python benchmarks/colocate.py [--seed 0] [--instances 2] [--steps 3000] [--trace F] [--out D]
+    python -m benchmarks.colocate [--seed 0] [--instances 2] [--steps 3000] [--trace F] [--out D]
 
 What runs. Each instance is its own process holding vLLM 0.33.0's **real** v1 ``Scheduler``
 (``vllm.v1.core.sched.scheduler``) with its real ``KVCacheManager``, coordinator and block
@@ -81,7 +81,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcore.budget.ledger import DIR_ENV
+from kvcore.budget.ledger_file import DIR_ENV
 
 GiB = 1 << 30
 BLOCK_TOKENS = 16
@@ -436,7 +436,7 @@ class _Instance:
         registers a plain ``LedgerGate``: what ``--async-release`` runs)."""
         import vllm
 
-        from kvcore.budget.ledger import LedgerGate
+        from kvcore.budget.ledger_gate import LedgerGate
 
         gate = LedgerGate(
             self._ledger,

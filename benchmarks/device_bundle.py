@@ -19,7 +19,7 @@ Distributions the GPU machine already provides (torch and its requirements, Trit
 pytest) are left out: its own builds must be used there. ``manifest.json`` lists what went
 in and from where.
 
-    python benchmarks/device_bundle.py --venv .nox/test-sglang-0-5-23 \
+    python -m benchmarks.device_bundle --venv .nox/test-sglang-0-5-23 \
         --tests tests/engines/sglang --engine sglang --python 3.12 --out .sgdev \
         --import sglang.srt.mem_cache.rust_tree_core.adapter \
         sglang.srt.mem_cache.rust_tree_core.mem_cache rich._emoji_codes \

@@ -47,8 +47,8 @@ At the end it stops every instance and checks:
   (``unaccounted_connections``); and no thread, file descriptor, channel directory or
   mapped page was left in the coordinator, the workers or the hostile process (``leaks``).
 
-    PYTHONPATH=. python benchmarks/hardening_soak.py --seconds 60 --json F
-    PYTHONPATH=. .nox/test-vllm-0-33/bin/python benchmarks/hardening_soak.py \\
+    python -m benchmarks.hardening_soak --seconds 60 --json F
+    .nox/test-vllm-0-33/bin/python -m benchmarks.hardening_soak \\
         --seconds 60 --vllm 1 --channel --json F
 
 Prints the counts and exits 1 if any check failed.
@@ -80,7 +80,8 @@ MiB = 1 << 20
 DEVICE = 256 * MiB
 GRAN = 64 << 10
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_TESTS = ROOT / "tests" / "engines" / "vllm"
+SELF = [sys.executable, "-m", "benchmarks.hardening_soak"]
+"""How the soak starts its own processes (each a role of this module, chosen by argv)."""
 WORLD = 2  # ranks of the channel instance
 
 _STOP = threading.Event()
@@ -145,7 +146,7 @@ def instance(name: str, state: Path) -> int:
     ``LedgerGate`` -> ``PageAllocator`` -> ``BlockLedger`` until SIGTERM. Creates ``state``
     once its record is in the ledger (the controller kills only instances that have one).
     Returns 0 after a clean close, 3 after a fail-stop (said on stderr)."""
-    from kvcore.budget.ledger import GpuLedger, LedgerGate
+    from kvcore.budget import GpuLedger, LedgerGate
     from kvcore.errors import KvcoreError
     from kvcore.memory.blocks import BlockLedger
     from kvcore.memory.local_mapper import LocalPageMapper
@@ -182,7 +183,7 @@ def instance(name: str, state: Path) -> int:
         return 3
 
 
-def vllm_instance(name: str, hub: str, state: Path) -> int:
+def vllm_instance(name: str, state: Path) -> int:
     """A real vLLM 0.33 scheduler's body (``--vllm-instance NAME``): kvcore's
     ``ElasticBlockPool`` on the host backend and the soak's ledger (256 blocks of 64 KiB,
     one a page, prefix caching on), kept at 8 requests of random lengths, half sharing a
@@ -191,17 +192,9 @@ def vllm_instance(name: str, hub: str, state: Path) -> int:
     the file's existence tells the controller it is serving) and at the end. Returns 0
     after a clean close, 3 after a fail-stop (said on stderr)."""
     signal.signal(signal.SIGTERM, _on_term)  # before the imports: they take seconds
-    os.environ.update(
-        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_TARGET_DEVICE="cpu", HF_HUB_CACHE=hub
-    )
-    sys.path.insert(0, str(VLLM_TESTS))
-    import torch
-    from test_elastic_scheduler import make_request, make_scheduler, step
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
+    from harness.vllm.scheduler import SPEC_64K, make_request, make_scheduler, step
     from kvcore.errors import KvcoreError
 
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.float16)
     settings = {
         "backend": "host",
         "backend_options": {"granularity": GRAN, "device_bytes": DEVICE},
@@ -211,7 +204,9 @@ def vllm_instance(name: str, hub: str, state: Path) -> int:
     shared = [rng.randrange(1, 30_000) for _ in range(48)]
     steps = added = 0
     try:
-        scheduler = make_scheduler(256, caching=True, max_num_seqs=8, kvcore=settings, spec=spec)
+        scheduler = make_scheduler(
+            256, caching=True, max_num_seqs=8, kvcore=settings, spec=SPEC_64K
+        )
         pool = scheduler.kv_cache_manager.block_pool
         if type(pool).__name__ != "ElasticBlockPool":  # upstream vLLM ignores the settings
             print(f"{name}: vLLM built a {type(pool).__name__}: not the forked vLLM",
@@ -303,7 +298,7 @@ def channel_engine(base: Path, report: Path, handshake: float) -> int:
     type, what was left after the close (held bytes, the directory, threads, file
     descriptors) and the workers' reports. Returns 0 after a clean close, 3 after a
     fail-stop (said on stderr)."""
-    from kvcore.budget.ledger import GpuLedger, LedgerGate
+    from kvcore.budget import GpuLedger, LedgerGate
     from kvcore.errors import KvcoreError
     from kvcore.memory.blocks import BlockLedger
     from kvcore.memory.pages import PageAllocator
@@ -333,7 +328,7 @@ def channel_engine(base: Path, report: Path, handshake: float) -> int:
         argv = ["--channel-worker", str(directory.path), str(rank), str(rank_report)]
         argv += ["--handshake-timeout", str(handshake)]
         with rank_report.with_name(rank_report.name + ".err").open("wb") as err:  # not a pipe
-            workers.append(subprocess.Popen([sys.executable, __file__, *argv], stderr=err))
+            workers.append(subprocess.Popen([*SELF, *argv], stderr=err))
     code, held = 0, -1
     try:
         coordinator = Counted(directory, world_size=WORLD, timeout=10.0, connect_timeout=60.0)
@@ -778,7 +773,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--instance", nargs=2, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--vllm-instance", nargs=3, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--vllm-instance", nargs=2, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--channel-worker", nargs=3, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--channel-engine", nargs=2, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--hostile", nargs=3, default=None, help=argparse.SUPPRESS)
@@ -788,8 +783,8 @@ def main() -> int:
         name, state = args.instance
         return instance(name, Path(state))
     if args.vllm_instance:
-        name, hub, state = args.vllm_instance
-        return vllm_instance(name, hub, Path(state))
+        name, state = args.vllm_instance
+        return vllm_instance(name, Path(state))
     if args.channel_worker:
         where, rank, report = args.channel_worker
         return channel_worker(Path(where), int(rank), Path(report), deadline_s)
@@ -822,13 +817,11 @@ def soak(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvcore-soak-") as tmp_name:
         tmp = Path(tmp_name)
         os.environ["KVCORE_LEDGER_DIR"] = tmp_name  # the controller's ledger is the instances'
-        env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING")
-        hub = tmp / "hub"
-        if args.vllm:  # the model config vLLM reads, without network
-            sys.path.insert(0, str(VLLM_TESTS))
-            from hf_configs import write_hub_cache
+        if args.vllm:  # the model config vLLM reads, without network, in a hub they inherit
+            from harness.vllm import write_hub
 
-            write_hub_cache(hub)
+            write_hub()
+        env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING")
         procs: dict[str, subprocess.Popen[bytes]] = {}
         kinds: dict[str, str] = {}
         serial = 0
@@ -842,9 +835,7 @@ def soak(args: argparse.Namespace) -> int:
         def spawn(name: str, *argv: str, stdout: int | None = None) -> subprocess.Popen[bytes]:
             # stderr goes to a file: a pipe nobody reads until the end would fill and block
             with stderr_of(name).open("wb") as err:
-                return subprocess.Popen(
-                    [sys.executable, __file__, *argv], env=env, stdout=stdout, stderr=err
-                )
+                return subprocess.Popen([*SELF, *argv], env=env, stdout=stdout, stderr=err)
 
         def start(kind: str) -> None:
             nonlocal serial
@@ -853,7 +844,7 @@ def soak(args: argparse.Namespace) -> int:
             kinds[name] = kind
             if kind == "vllm":
                 counts["vllm_started"] += 1
-                argv = ("--vllm-instance", name, str(hub), str(state_of(name)))
+                argv = ("--vllm-instance", name, str(state_of(name)))
                 procs[name] = spawn(name, *argv, stdout=subprocess.DEVNULL)
             else:
                 procs[name] = spawn(name, "--instance", name, str(state_of(name)))

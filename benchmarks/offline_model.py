@@ -10,8 +10,8 @@ The tokenizer is built, not trained: 256 byte symbols, then merges that grow wor
 27-letter alphabet (``a``-``z`` and the byte-level space ``Ġ``) level by level until the
 vocabulary is full, plus two special tokens. Deterministic, no corpus, a few seconds.
 
-    python benchmarks/offline_model.py --out build/models            # every shape
-    python benchmarks/offline_model.py --out build/models qwen3-0.6b
+    python -m benchmarks.offline_model --out build/models            # every shape
+    python -m benchmarks.offline_model --out build/models qwen3-0.6b
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ wheel: copying every member of the wheel into a new zip
 
 and reports the median wall and process-CPU seconds of ``--repeats`` rounds and their ratio.
 
-    PYTHONPATH=. python benchmarks/patchq_repack.py [--engine sglang --version 0.5.23] [--repeats 3]
+    python -m benchmarks.patchq_repack [--engine sglang --version 0.5.23] [--repeats 3]
 
 The wheel comes from the artifact cache (downloaded and verified if missing).
 """

@@ -1,7 +1,7 @@
-"""Render ``gpu_suite.py``'s ``results.json`` as the Markdown tables of ``docs/benchmarks.md``.
+"""Render the GPU suite's ``results.json`` as the Markdown tables of ``docs/benchmarks.md``.
 
-    python benchmarks/render_results.py OUT/results.json            # print
-    python benchmarks/render_results.py OUT/results.json -o run.md  # write a file
+    python -m benchmarks.render_results OUT/results.json            # print
+    python -m benchmarks.render_results OUT/results.json -o run.md  # write a file
 
 One table per figure (ours, baseline, ratio, units, goal), the run's environment (GPU,
 driver, torch, cuda-python, Triton, command, commit, date), the step outcomes and the
@@ -154,7 +154,7 @@ def _channel_table(step: dict[str, Any], h: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("results", type=Path, help="results.json written by gpu_suite.py")
+    ap.add_argument("results", type=Path, help="results.json written by benchmarks.gpu_suite")
     ap.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
     ap.add_argument("--level", type=int, default=2, help="heading level (3 inside the docs)")
     ap.add_argument(

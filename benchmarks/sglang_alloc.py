@@ -9,7 +9,7 @@ kvcore fork of SGLang installed (``nox -s test-sglang-0.5.23`` builds such a ven
 ``.nox/``)::
 
     PYTHONPATH=tests/engines/sglang/shim .nox/test-sglang-0-5-23/bin/python \\
-        benchmarks/sglang_alloc.py [--repeats 31] [--iters 100] [--json F] [--device cuda]
+        -m benchmarks.sglang_alloc [--repeats 31] [--iters 100] [--json F] [--device cuda]
 
 ``--device cuda`` (the GPU machine, through ``benchmarks/sglang_gpu.sh``) runs the same
 cycles on a CUDA pool: SGLang's Triton index kernels on both sides, kvcore on its ``cuda``
@@ -25,12 +25,12 @@ Workloads, each one cycle per iteration:
             crosses a page boundary once), then ``free``;
 ``token``   ``page_size=1``: ``alloc(64)`` then ``free``.
 
-The stacks are built by ``tests/engines/sglang/harness.py``'s ``build`` (the conformance
-tests' builder), at this pool shape. Numbers are medians over ``--repeats`` timed runs of
-``--iters`` cycles, after a warm-up; the two sides alternate run by run, on one torch
-thread. Each run is timed on the wall clock and on the thread's CPU clock (``thread_time``:
-blind to time the machine gave other processes); the ratio is the median of the per-repeat
-ratios of adjacent runs (both sides under the same load). On CPU both sides' cost is mostly
+The stacks are built by ``harness.sglang_kv.build`` (the conformance tests' builder), at
+this pool shape. Numbers are medians over ``--repeats`` timed runs of ``--iters`` cycles,
+after a warm-up; the two sides alternate run by run, on one torch thread. Each run is timed
+on the wall clock and on the thread's CPU clock (``thread_time``: blind to time the machine
+gave other processes); the ratio is the median of the per-repeat ratios of adjacent runs
+(both sides under the same load). On CPU both sides' cost is mostly
 SGLang's own index arithmetic (its torch fallback of the Triton kernel) and
 ``torch.unique`` on every free, plus, for upstream, ``torch.cat`` of the whole free list;
 kvcore's share is the ledger calls and the list<->tensor conversions. Both sides count the
@@ -44,22 +44,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from _provenance import commit, now  # noqa: E402
-
-from tests.engines.sglang.harness import Engine, build  # noqa: E402
+from benchmarks._provenance import commit, now
+from harness.sglang_kv import Engine, build
 
 PAGE = 16
 SIZE = 1 << 16  # tokens
@@ -212,7 +206,7 @@ def main() -> None:
                 {
                     "sglang": sglang.__version__,
                     "device": DEVICE,
-                    "commit": commit("kvcore", "benchmarks/sglang_alloc.py"),
+                    "commit": commit("kvcore", "harness", "benchmarks/sglang_alloc.py"),
                     "date": now(),
                     "repeats": args.repeats,
                     "iters": args.iters,

@@ -6,7 +6,7 @@ side in one CPU run. Needs the kvcore fork of SGLang (``nox -s test-sglang-0.5.2
 such a venv under ``.nox/``)::
 
     PYTHONPATH=tests/engines/sglang/shim .nox/test-sglang-0-5-23/bin/python \\
-        benchmarks/sglang_eviction.py [--seeds 5] [--ops 600] [--json F]
+        -m benchmarks.sglang_eviction [--seeds 5] [--ops 600] [--json F]
 
 **Pages returned** (``RadixCache`` and ``UnifiedRadixCache`` on its Python core). A serving
 workload builds the tree: 8 shared prefixes (system prompts of 256-1024 tokens, Zipf-like
@@ -38,19 +38,14 @@ import sys
 import time
 from array import array
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from _provenance import commit, now  # noqa: E402
-
-from tests.engines.sglang.harness import Engine, build  # noqa: E402
+from benchmarks._provenance import commit, now
+from harness.sglang_kv import Engine, build
 
 PAGE = 16  # SGLang page (tokens)
 SIZE = 1 << 17  # tokens in the pool
@@ -330,7 +325,7 @@ def main() -> None:
             json.dump(
                 out
                 | {
-                    "commit": commit("kvcore", "benchmarks/sglang_eviction.py"),
+                    "commit": commit("kvcore", "harness", "benchmarks/sglang_eviction.py"),
                     "date": now(),
                     "args": vars(args),
                 },

@@ -17,12 +17,12 @@ site=$(mktemp -d)
 tar -xzf "$bundle" -C "$site"
 export PYTHONPATH=$PWD/tests/engines/sglang/gpu_shim:$site/site:$PWD/tests/engines/sglang/shim:$PWD
 export KVCORE_IMPORT_ONLY=sgl_kernel
-probe="import tests.engines.sglang.harness, tests.engines.sglang.test_gpu"
+probe="import harness.sglang_kv, tests.engines.sglang.harness, tests.engines.sglang.test_gpu"
 for _ in $(seq 25); do
   missing=$(python3 -c "$probe" 2>&1 | grep -o "No module named '[^']*'" | head -1 |
     sed "s/No module named '\([^'.]*\).*/\1/")
   [ -z "$missing" ] && break
-  case "$missing" in sglang | kvcore | tests | torch)
+  case "$missing" in sglang | kvcore | harness | tests | torch)
     echo "a part of $missing itself is missing: rebuild the bundle"; break ;;
   esac
   KVCORE_IMPORT_ONLY=$KVCORE_IMPORT_ONLY,$missing
@@ -30,5 +30,5 @@ done
 echo "KVCORE_IMPORT_ONLY=$KVCORE_IMPORT_ONLY" | tee "$out/sglang-import-only.txt"
 KVCORE_SGLANG_EXPECT=patched timeout 300 python3 -m pytest tests/engines/sglang -m gpu -v \
   -p no:cacheprovider -rs 2>&1 | tee "$out/sglang-gpu-tests.txt" | tail -25
-timeout 240 python3 benchmarks/sglang_alloc.py --device cuda --repeats 15 --iters 50 \
+timeout 240 python3 -m benchmarks.sglang_alloc --device cuda --repeats 15 --iters 50 \
   --json "$out/sglang-gpu-alloc.json" 2>&1 | tail -15

@@ -10,7 +10,7 @@ of three int64), ``Agreement.step`` with three binding rooms (a KV ledger's, a S
 Mamba slot room's: one all-reduce of four int64), plus the bare all-reduce. Both ranks run
 the same loop in lockstep, as SGLang's TP schedulers do.
 
-    PYTHONPATH=. python benchmarks/sglang_tp_agreement.py [--repeats 11] [--iters 500]
+    python -m benchmarks.sglang_tp_agreement [--repeats 11] [--iters 500]
 
 Medians over ``--repeats`` runs of ``--iters`` cycles, rank 0's clock. ``--blocks`` is the
 blocks per ``alloc`` (16: one physical page at 16 blocks per page; SGLang's decode step
@@ -53,7 +53,7 @@ def _stack() -> tuple[HostBackend, VirtualKVCache, BlockLedger]:
     )
     cache = VirtualKVCache(backend, geometry)
     pages = PageAllocator(LocalPageMapper(cache), BudgetGate(256 << 20))
-    return backend, cache, BlockLedger(geometry, pages, reserved_blocks=(0,))
+    return backend, cache, BlockLedger(geometry, pages, pinned_blocks=(0,))
 
 
 def _time(fn: Any, iters: int) -> float:

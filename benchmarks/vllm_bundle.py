@@ -16,10 +16,10 @@ stays warm). What goes in:
 * cp312 manylinux wheels of vLLM's runtime requirements the image lacks, resolved by pip
   for the target platform and pinned in the manifest (GPU kernel libraries vLLM lists but a
   dense model on FA3 never imports, and everything the image has, left out);
-* ``TOOLS``: the profiler ``benchmarks/vllm_serve.py --py-spy`` runs there;
+* ``TOOLS``: the profiler ``python3 -m benchmarks.vllm_serve --py-spy`` runs there;
 * the offline model directories of ``benchmarks/offline_model.py``.
 
-    python benchmarks/vllm_bundle.py --version 0.33.0 --out .vdev/0.33.0
+    python -m benchmarks.vllm_bundle --version 0.33.0 --out .vdev/0.33.0
 
 Needs ``tokenizers`` here (the model directories) and the registry (pip download).
 """
@@ -39,10 +39,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.offline_model import SHAPES, write_model_dir
 
-from offline_model import SHAPES, write_model_dir  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 IMAGE = """
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch

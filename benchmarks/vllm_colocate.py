@@ -28,7 +28,7 @@ fits both modes, their start-up and their stop into one 10-minute device call. `
 sequential`` starts one mode's servers, measures them, stops them, then the next mode's.
 
 Workloads (``--workload``; generated here, seeded with numpy from ``--seed``; every
-instance its own arrival process; ``benchmarks/vllm_colocate.py --help`` lists the knobs):
+instance its own arrival process; ``python -m benchmarks.vllm_colocate --help`` lists the knobs):
 
 * ``ramp``: per instance, the rate climbs linearly 0 -> ``--peak`` req/s over ``--ramp-s``,
   holds ``--hold-s``, falls to ``--floor`` req/s over ``--ramp-s`` and stays there; instance
@@ -64,9 +64,9 @@ memory per instance over time for both modes on one scale goes next to it for ev
 workload/peak/repeat both modes ran. ``--steer T:INSTANCE:SIZE`` sets an elastic instance's
 limit (``kvctl limit``'s sizes) T seconds into each elastic phase.
 
-    bash benchmarks/vllm_device.sh run python3 benchmarks/vllm_colocate.py \\
+    bash benchmarks/vllm_device.sh run python3 -m benchmarks.vllm_colocate \\
         --workload ramp --peak 12 --out $OUT/colocate-ramp.json
-    bash benchmarks/vllm_device.sh run python3 benchmarks/vllm_colocate.py --smoke \\
+    bash benchmarks/vllm_device.sh run python3 -m benchmarks.vllm_colocate --smoke \\
         --out $OUT/colocate-smoke.json
 
 Runs where vLLM, a GPU and the offline model directories are (``vllm_device.sh``); needs
@@ -94,11 +94,7 @@ from typing import Any
 
 import numpy as np
 
-_HERE = Path(__file__).resolve().parent
-if str(_HERE) not in sys.path:  # siblings: vllm_servers (server processes), offline_model
-    sys.path.insert(0, str(_HERE))
-
-from vllm_servers import (  # noqa: E402  (stdlib only at import)
+from benchmarks.vllm_servers import (  # stdlib only at import
     CLI,
     MemorySampler,
     ServeProcess,
@@ -428,7 +424,7 @@ def compare(phases: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def ledger_sample(snapshot: Any, owner: Callable[[Any], str | None], t: float) -> dict[str, Any]:
-    """One KV-memory sample from a ``kvcore.budget.ledger.LedgerSnapshot``: per instance
+    """One KV-memory sample from a ``kvcore.budget.ledger_file.LedgerSnapshot``: per instance
     (``owner(record)``: its name, or None for a record of no instance of this run) the
     record's mapped bytes, in use (mapped less the idle reserve), limit and refusals."""
     per: dict[str, dict[str, Any]] = {}
@@ -784,7 +780,7 @@ class _Samplers:
     def open_ledger(self) -> Any:
         """The run's ledger (opened once its file exists); None before that."""
         if self._ledger is None:
-            from kvcore.budget.ledger import GpuLedger, list_ledgers
+            from kvcore.budget import GpuLedger, list_ledgers
 
             paths = list_ledgers(self.ledger_dir)
             if len(paths) > 1:
@@ -839,7 +835,7 @@ def resolve_models(specs: Sequence[str], workdir: Path) -> list[Instance]:
             if (found / "config.json").exists():
                 path = found
             else:
-                from offline_model import SHAPES, write_model_dir
+                from benchmarks.offline_model import SHAPES, write_model_dir
 
                 if spec not in SHAPES:
                     raise SystemExit(f"{spec}: no model directory and no shape of that name")

@@ -4,12 +4,14 @@
 #   bash benchmarks/vllm_device.sh unpack .vdev/0.33.0/part-1.tar    # one part per call,
 #   bash benchmarks/vllm_device.sh unpack .vdev/0.33.0/part-2.tar    # calls back to back
 #   bash benchmarks/vllm_device.sh run python3 -m pytest tests/engines/vllm -m gpu
+#   bash benchmarks/vllm_device.sh run python3 -m benchmarks.vllm_serve --models ...
 #   bash benchmarks/vllm_device.sh run python3 -m vllm.entrypoints.cli.main serve ...
 #
 # unpack: installs a part under $KVDEV (default /tmp/kvdev, kept while the machine stays
 # warm): dependency wheels into $KVDEV/site, the vLLM tree and its xz-compressed kernels
 # into $KVDEV/site, the offline model directories into $KVDEV/models. run: the command with
-# that site and this checkout (kvcore) first on PYTHONPATH and the offline settings vLLM
+# that site and this checkout (kvcore, harness, benchmarks: the call carries the working
+# tree, the parts carry none of it) first on PYTHONPATH and the offline settings vLLM
 # needs there (no hub; no flashinfer, so torch's sampler), KVCORE_MODEL_DIR set to the
 # Qwen3-0.6B-shaped model. `status` says which parts are in. A file the bundle split into
 # pieces (NAME.K-of-N, in different parts) is joined once its last piece is unpacked.
@@ -75,5 +77,5 @@ case "${1:-}" in
     export KVCORE_MODEL_DIR=${KVCORE_MODEL_DIR:-$KVDEV/models/qwen3-0.6b}
     export PATH="$KVDEV/site/bin:$PATH"
     exec "$@" ;;
-  *) sed -n '2,16p' "$0"; exit 2 ;;
+  *) sed -n '2,18p' "$0"; exit 2 ;;
 esac

@@ -11,12 +11,11 @@ Workload: ``--requests`` requests of ``--prompt`` tokens (half share a 50% prefi
 caching hits and evicts) generating ``--tokens`` tokens each, at most 32 running;
 ``--blocks`` KV blocks of 64 KiB (16 tokens, 8 KV heads x 128, fp16, one layer).
 
-    .nox/test-vllm-0-33/bin/python benchmarks/vllm_scheduler_step.py \\
-        [--repeats 15] [--json F]
+    .nox/test-vllm-0-33/bin/python -m benchmarks.vllm_scheduler_step [--repeats 15] [--json F]
 
 Run it in the ``test-vllm-0.33`` nox venv (needs the forked vLLM wheel). The scheduler,
-requests and step are built by ``tests/engines/vllm/test_elastic_scheduler.py``'s
-``make_scheduler``, ``make_request`` and ``step`` (the tests' builders). The modes alternate
+requests and step are built by ``harness.vllm.scheduler``'s ``make_scheduler``,
+``make_request`` and ``step`` (the builders of kvcore's scheduler tests). The modes alternate
 repeat by repeat (which goes first alternates too); each run records every step's wall and
 thread-CPU time. Reported: per mode the median over repeats of the run's median step time,
 and the ratio as the median of the per-repeat ratios (adjacent runs, the same load).
@@ -31,20 +30,15 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-ROOT = Path(__file__).resolve().parents[1]
-TESTS = ROOT / "tests" / "engines" / "vllm"
-sys.path.insert(0, str(TESTS))
+from benchmarks._provenance import commit, now
+from harness.vllm import write_hub
+from harness.vllm.scheduler import SPEC_64K, make_request, make_scheduler, step
 
-import conftest  # noqa: E402,F401  # offline hub cache and CPU target, before vLLM is imported
-import torch  # noqa: E402
-from _provenance import commit, now  # noqa: E402
-from test_elastic_scheduler import BLOCK, make_request, make_scheduler, step  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
-SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=8, head_size=128, dtype=torch.float16)
 KVCORE = {"backend": "host", "backend_options": {"device_bytes": 8 << 30}}
 MODES = ("upstream", "elastic")
 
@@ -68,7 +62,7 @@ def run_once(args: argparse.Namespace, elastic: bool) -> dict[str, Any]:
         max_batched=4096,
         kvcore=KVCORE,
         elastic=elastic,
-        spec=SPEC,
+        spec=SPEC_64K,
     )
     for r in _requests(args.requests, args.prompt, args.tokens):
         scheduler.add_request(r)
@@ -103,6 +97,7 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=2048)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    write_hub()
     for mode in MODES:  # warm-up (imports, caches)
         run_once(args, mode == "elastic")
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
@@ -134,7 +129,7 @@ def main() -> int:
         args.json.write_text(
             json.dumps(
                 {
-                    "commit": commit("kvcore", "benchmarks/vllm_scheduler_step.py"),
+                    "commit": commit("kvcore", "harness", "benchmarks/vllm_scheduler_step.py"),
                     "date": now(),
                     "summary": summary,
                     "runs": runs,

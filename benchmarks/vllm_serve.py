@@ -30,7 +30,7 @@ the run at rate ``--py-spy-rate`` of round ``--py-spy-round`` of every server is
 the modes' CPU time can be compared frame by frame. The JSON written to ``--out`` holds every
 client result and the memory series.
 
-    bash benchmarks/vllm_device.sh run python3 benchmarks/vllm_serve.py \\
+    bash benchmarks/vllm_device.sh run python3 -m benchmarks.vllm_serve \\
         --models $KVDEV/models/qwen3-0.6b --out $OUT/serve.json
 
 Runs where vLLM, a GPU and the offline model directories are (``vllm_device.sh``); needs
@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_servers import (
+from benchmarks.vllm_servers import (
     CLI,
     MemorySampler,
     ServeProcess,

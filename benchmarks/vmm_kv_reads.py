@@ -19,7 +19,7 @@ Figures: median milliseconds per pass over all layers and the effective read ban
 CUDA events, ``--repeats`` passes after two warm-up passes, the memory kinds interleaved per
 repeat. Needs a CUDA GPU, torch and cuda-python.
 
-    PYTHONPATH=. python benchmarks/vmm_kv_reads.py --cache-gib 20 --out vmm-kv-reads.json
+    python -m benchmarks.vmm_kv_reads --cache-gib 20 --out vmm-kv-reads.json
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _provenance import commit, now
 
+from benchmarks._provenance import commit, now
 from kvcore.vmm import open_backend
 
 MiB = 1 << 20

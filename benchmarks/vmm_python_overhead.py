@@ -5,12 +5,12 @@ the same driver calls made raw through ``cuda.bindings`` (goal: <= 1.1x). On a G
 driver's own time dominates and hides what the Python layers add; here every driver
 function is a stub that returns ``CUDA_SUCCESS`` at once, so each figure is *only* the
 Python work around the call: kvcore's path and the raw path (the suite's ``RawCuda`` and
-``_RawPageMirror`` call sequence) timed side by side in one run, medians of interleaved
+``RawPageMirror`` call sequence) timed side by side in one run, medians of interleaved
 repetitions, in nanoseconds per operation. ``extra_ns`` (kvcore minus raw) is what kvcore
 adds per call; divide by the GPU's raw time per call (suite figure (a)) for the ratio it
 costs there.
 
-    python benchmarks/vmm_python_overhead.py            # prints a table, --json for JSON
+    python -m benchmarks.vmm_python_overhead            # prints a table, --json for JSON
 
 Without cuda-python installed the stub stands in for ``cuda.bindings.driver``; with it
 installed the stub is still used (this script never touches a GPU).
@@ -142,11 +142,11 @@ def _pair(kv: Callable[[], None], raw: Callable[[], None], reps: int, inner: int
 
 def run(reps: int = 31, inner: int = 2000) -> dict[str, Any]:
     drv = _install_stub()
-    # the suite's raw baselines, imported from it so both sides are what the GPU run times
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-    import gpu_suite
     import torch
 
+    # the suite's raw baselines, imported from it so both sides are what the GPU run times
+    from benchmarks.gpu_suite.common import RawCuda
+    from benchmarks.gpu_suite.mapper import RawPageMirror
     from kvcore.memory.geometry import KVGeometry
     from kvcore.memory.local_mapper import LocalPageMapper
     from kvcore.memory.virtual_cache import VirtualKVCache
@@ -155,7 +155,7 @@ def run(reps: int = 31, inner: int = 2000) -> dict[str, Any]:
     backend = CudaBackend(0)
     # the stub has no memory behind its addresses: tensors over them are CPU scratch
     backend.as_tensor = lambda va, size, dtype: torch.zeros(size, dtype=torch.uint8).view(dtype)  # type: ignore[method-assign]
-    raw = gpu_suite.RawCuda(0)
+    raw = RawCuda(0)
     pb = 2 * MiB
     out: dict[str, Any] = {"driver": "stub (no-op)", "ops": {}}
     hk, hr = backend.create(pb), raw.create(pb)
@@ -188,9 +188,7 @@ def run(reps: int = 31, inner: int = 2000) -> dict[str, Any]:
         )
         cache = VirtualKVCache(backend, geo)
         mapper = LocalPageMapper(cache)
-        mirror = gpu_suite._RawPageMirror(
-            raw, geo.handles_per_page, pb, cache.zero_page_bytes, geo.num_pages
-        )
+        mirror = RawPageMirror(raw, geo.handles_per_page, pb, cache.zero_page_bytes, geo.num_pages)
         mapper.map([0])
         mapper.prepare_unmap([0])
         mapper.commit_unmap([0])

@@ -1,6 +1,6 @@
 """The co-location demo's workload (``benchmarks/colocate.py``): seeded, bursty, staggered,
 realistic lengths; traces round-trip. The demo's run itself needs vLLM:
-``tests/engines/vllm/test_colocate.py``."""
+``test_colocate_run.py``."""
 
 from __future__ import annotations
 

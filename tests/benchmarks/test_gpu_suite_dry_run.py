@@ -1,4 +1,4 @@
-"""The GPU suite's control flow, run on CPU (``benchmarks/gpu_suite.py --dry-run``).
+"""The GPU suite's control flow, run on CPU (``python -m benchmarks.gpu_suite --dry-run``).
 
 The suite is the one script the lead runs on the H200; a crash there costs scarce device
 time. Here it runs end to end on the ``host`` backend with tiny sizes (no Triton, no raw
@@ -9,32 +9,22 @@ reference in Triton's CPU interpreter where Triton is installed.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import pytest
 
+from benchmarks.gpu_suite.__main__ import main
+from benchmarks.gpu_suite.bandwidth import decide_layout
+from benchmarks.gpu_suite.common import Sizes, kv_geometry, size_text
+from benchmarks.gpu_suite.gpu_tests import parse_pytest_summary
+from benchmarks.render_results import render_markdown
+
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "benchmarks"
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def suite() -> ModuleType:
-    return _load("gpu_suite")
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +34,8 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, str]:
     proc = subprocess.run(
         [
             sys.executable,
-            str(BENCH / "gpu_suite.py"),
+            "-m",
+            "benchmarks.gpu_suite",
             "--dry-run",
             "--out",
             str(out),
@@ -139,9 +130,7 @@ print("| 1 | 0.2 | 0.3 |")
 """
 
 
-def test_channel_step_passes_listed_options_and_keeps_the_json(
-    suite: ModuleType, tmp_path: Path
-) -> None:
+def test_channel_step_passes_listed_options_and_keeps_the_json(tmp_path: Path) -> None:
     script = tmp_path / "fake_channel.py"
     script.write_text(_FAKE_CHANNEL)
     out = tmp_path / "out"
@@ -158,7 +147,7 @@ def test_channel_step_passes_listed_options_and_keeps_the_json(
         "--grace-s",
         "600",
     ]
-    assert suite.main(argv) == 0
+    assert main(argv) == 0
     results = json.loads((out / "results.json").read_text())
     step = results["steps"]["channel"]
     assert step["status"] == "ok", step
@@ -169,8 +158,8 @@ def test_channel_step_passes_listed_options_and_keeps_the_json(
     assert "| 1 | 0.2 | 0.3 | 8 | 9 |" in (out / "results.md").read_text()
 
 
-def test_pytest_summary_parsing(suite: ModuleType) -> None:
-    parse = suite.parse_pytest_summary
+def test_pytest_summary_parsing() -> None:
+    parse = parse_pytest_summary
     assert parse("....\n3 passed, 1 failed, 2 skipped in 4.2s\n") == {
         "passed": 3,
         "failed": 1,
@@ -185,22 +174,22 @@ def test_pytest_summary_parsing(suite: ModuleType) -> None:
     assert parse("no summary here") == {}
 
 
-def test_layout_decision_prefers_compound_when_it_qualifies(suite: ModuleType) -> None:
+def test_layout_decision_prefers_compound_when_it_qualifies() -> None:
     mib2 = 2 << 20
     gbps = {"kvcore compound, 2 MiB pages": 98.0, "kvcore per-layer, 2 MiB pages": 100.0}
-    dec = suite.decide_layout(gbps, 100.0, mib2)
+    dec = decide_layout(gbps, 100.0, mib2)
     assert dec["layout"] == "compound" and dec["met"]
     gbps["kvcore compound, 2 MiB pages"] = 90.0
-    dec = suite.decide_layout(gbps, 100.0, mib2)
+    dec = decide_layout(gbps, 100.0, mib2)
     assert dec["layout"] == "per-layer" and dec["met"]
     gbps["kvcore per-layer, 2 MiB pages"] = 95.0
-    dec = suite.decide_layout(gbps, 100.0, mib2)
+    dec = decide_layout(gbps, 100.0, mib2)
     assert dec["layout"] == "per-layer" and dec["met"] is False
-    assert suite.decide_layout({}, None, mib2)["layout"] is None
+    assert decide_layout({}, None, mib2)["layout"] is None
 
 
 def test_render_marks_missing_figures_and_failed_goals() -> None:
-    render = _load("render_results").render_markdown
+    render = render_markdown
     results = {
         "meta": {"gpu": "NVIDIA H200", "commit": "abc", "command": "python x"},
         "figures": [
@@ -236,9 +225,8 @@ def test_triton_kernel_matches_reference_in_interpreter() -> None:
     pytest.importorskip("triton")
     pytest.importorskip("numpy")
     code = """
-import sys, torch
-sys.path.insert(0, sys.argv[1])
-import _gpu_kernels as g
+import torch
+from benchmarks.gpu_suite import kernels as g
 assert g.HAVE_TRITON
 torch.manual_seed(0)
 L, nb, bs, H, D = 2, 24, 16, 2, 32
@@ -255,7 +243,8 @@ print("ok")
 """
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(BENCH)],
+        [sys.executable, "-c", code],
+        cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
@@ -266,36 +255,37 @@ print("ok")
 
 
 @pytest.mark.parametrize("mode", ["full", "quick"])
-def test_gpu_sizes_make_valid_geometries(suite: ModuleType, mode: str) -> None:
+def test_gpu_sizes_make_valid_geometries(mode: str) -> None:
     """Every shape the GPU run will build is a valid KV geometry on 2 MiB granularity (a
     GeometryError there would cost a device call)."""
-    sz = suite.Sizes.for_mode(mode)
+    sz = Sizes.for_mode(mode)
     gpu = SimpleNamespace(granularity=lambda: 2 << 20)
     shape = sz.shape
     assert all(size % (2 << 20) == 0 for size in sz.vmm_sizes)
     assert sz.bw_blocks % sz.bw_seqs == 0
     for layout, page_bytes in sz.bw_variants:
-        geo = suite.kv_geometry(gpu, shape, sz.bw_blocks, page_bytes, layout)
+        geo = kv_geometry(gpu, shape, sz.bw_blocks, page_bytes, layout)
         assert geo.num_pages * geo.blocks_per_page == sz.bw_blocks  # no partial page
     for page_bytes in sz.handoff_pages:
         rows = sz.handoff_bytes // shape.compound_row_bytes
-        geo = suite.kv_geometry(gpu, shape, rows, page_bytes, "compound")
+        geo = kv_geometry(gpu, shape, rows, page_bytes, "compound")
         assert geo.num_pages * geo.page_device_bytes == sz.handoff_bytes
     capacity = sz.decode_seqs * -(-sz.decode_max_len // shape.block_size) + sz.decode_seqs
     for _, page_bytes, reserve in sz.decode_configs:
-        geo = suite.kv_geometry(gpu, shape, capacity, page_bytes, "compound")
+        geo = kv_geometry(gpu, shape, capacity, page_bytes, "compound")
         assert reserve <= geo.num_pages
-    decided = {f"kvcore {lay}, {suite.size_text(pb)} pages" for lay, pb in sz.bw_variants}
+    decided = {f"kvcore {lay}, {size_text(pb)} pages" for lay, pb in sz.bw_variants}
     for layout in ("compound", "per-layer"):  # decide_layout finds both default-size variants
-        assert f"kvcore {layout}, {suite.size_text(sz.page_unit)} pages" in decided
+        assert f"kvcore {layout}, {size_text(sz.page_unit)} pages" in decided
 
 
 def test_vmm_python_overhead_runs_on_the_stub_driver() -> None:
     """The CPU microbenchmark of the VMM hot path's Python overhead (a subprocess: it
     installs a stub ``cuda.bindings.driver`` into its own ``sys.modules``)."""
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "vmm_python_overhead.py"
+    args = ["--reps", "3", "--inner", "20", "--json"]
     proc = subprocess.run(
-        [sys.executable, str(script), "--reps", "3", "--inner", "20", "--json"],
+        [sys.executable, "-m", "benchmarks.vmm_python_overhead", *args],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,

@@ -6,9 +6,7 @@ processes' reports flag what they should."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -17,6 +15,7 @@ from types import ModuleType
 
 import pytest
 
+from benchmarks import hardening_soak
 from kvcore.memory.geometry import KVGeometry
 from kvcore.memory.local_mapper import LocalPageMapper
 from kvcore.memory.virtual_cache import VirtualKVCache
@@ -25,17 +24,11 @@ from kvcore.vmm import open_backend
 
 GRAN = 64 << 10
 DEADLINE = 2.0  # the listener's handshake deadline in these tests, seconds: room for a loaded CI
-SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "hardening_soak.py"
 
 
 @pytest.fixture(scope="module")
 def soak() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("hardening_soak", SOAK)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["hardening_soak"] = module
-    spec.loader.exec_module(module)
-    return module
+    return hardening_soak
 
 
 @pytest.fixture

@@ -40,9 +40,9 @@ from benchmarks.vllm_colocate import (
     tpot,
 )
 from benchmarks.vllm_servers import parse_metrics
-from kvcore.budget.ledger import GpuLedger, LedgerGate
+from kvcore.budget import GpuLedger, LedgerGate
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_colocate.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _within_poisson(count: int, mean: float, sigmas: float = 4.0) -> bool:
@@ -396,15 +396,17 @@ def test_smoke_defaults_yield_to_explicit_options() -> None:
 def test_help_needs_neither_vllm_nor_aiohttp() -> None:
     code = (
         "import runpy, sys\n"
-        f"sys.argv = [{str(SCRIPT)!r}, '--help']\n"
+        "sys.argv = ['vllm_colocate.py', '--help']\n"
         "try:\n"
-        f"    runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
+        "    runpy.run_module('benchmarks.vllm_colocate', run_name='__main__')\n"
         "except SystemExit as e:\n"
         "    assert e.code == 0, e.code\n"
         "print('LOADED', sorted(m for m in ('vllm', 'aiohttp', 'matplotlib', 'pynvml')"
         " if m in sys.modules))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert "--workload {ramp,bursty,steady}" in out.stdout
     assert "LOADED []" in out.stdout

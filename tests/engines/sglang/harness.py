@@ -1,9 +1,12 @@
-"""Harness for tests against the real SGLang KV-cache classes (allocators, pools, radix cache).
+"""Fixtures for tests against the real SGLang KV-cache classes (allocators, pools, radix cache).
 
 These tests need SGLang installed (the pinned upstream wheel or the forked ``+kvcore`` one):
 the ``test-sglang-<version>`` nox sessions build that environment and run them three ways
 (upstream wheel; forked wheel with elastic KV off; forked wheel with it on). Without SGLang
 (the plain ``tests`` session) ``conftest.py`` leaves the directory uncollected.
+
+The stacks themselves come from ``harness.sglang_kv`` (the SGLang benchmarks build theirs
+there too); this module holds the pytest hooks, fixtures and marks around it.
 
 ``kv_mode`` parametrises each conformance test over ``off`` (SGLang's own buffers and
 allocator) and ``on`` (kvcore's, through the same seams the patch series adds); ``on`` skips
@@ -15,20 +18,13 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import sglang
-import torch
-from sglang.srt.mem_cache import memory_pool
 
-PATCHED = hasattr(memory_pool, "KV_BUFFER_HOOK")
-"""Whether the installed SGLang is the kvcore fork (the series' buffer seam is present)."""
-
-# Small on purpose: a 64 KiB host granularity keeps pages small, so a few hundred tokens
-# span several physical pages.
-HOST = {"backend": "host", "backend_options": {"device_bytes": 1 << 30, "granularity": 1 << 16}}
+from harness.sglang_kv import HOST as HOST  # re-exported: the tests take it from here
+from harness.sglang_kv import PATCHED, Engine, build
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -45,83 +41,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"KVCORE_SGLANG_EXPECT={expect} but the installed SGLang is "
             f"{'the kvcore fork' if PATCHED else 'upstream'}"
         )
-
-
-@dataclass
-class Engine:
-    """One SGLang KV stack built for a test: pool, allocator, and the kvcore scope if on."""
-
-    mode: str
-    pool: Any
-    allocator: Any
-    scope: Any = None
-
-    @property
-    def manager(self) -> Any:
-        return self.pool.kvcore_manager
-
-    def pages(self) -> Any:
-        """Page-allocator stats once background unmaps have settled."""
-        self.manager.pages.flush()
-        return self.manager.stats()
-
-
-def build(
-    mode: str,
-    *,
-    size: int = 512,
-    page_size: int = 16,
-    layers: int = 2,
-    heads: int = 2,
-    head_dim: int = 64,
-    mla: bool = False,
-    device: str = "cpu",
-    **kvcore: Any,
-) -> Engine:
-    """Build a KV pool and its allocator the way SGLang's configurator does, with kvcore
-    (``mode="on"``, options ``HOST | kvcore``; on ``device="cuda"`` the ``cuda`` backend at
-    its own granularity) or without (``"off"``)."""
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-
-    def make_pool() -> Any:
-        if mla:
-            return memory_pool.MLATokenToKVPool(
-                size=size,
-                page_size=page_size,
-                dtype=torch.bfloat16,
-                kv_lora_rank=head_dim,
-                qk_rope_head_dim=16,
-                layer_num=layers,
-                device=device,
-                enable_memory_saver=False,
-            )
-        return memory_pool.MHATokenToKVPool(
-            size=size,
-            page_size=page_size,
-            dtype=torch.bfloat16,
-            head_num=heads,
-            head_dim=head_dim,
-            layer_num=layers,
-            device=device,
-            enable_memory_saver=False,
-        )
-
-    def make_allocator(pool: Any) -> Any:
-        if page_size == 1:
-            return TokenToKVPoolAllocator(size, torch.bfloat16, device, pool, False)
-        return PagedTokenToKVPoolAllocator(size, page_size, torch.bfloat16, device, pool, False)
-
-    if mode == "off":
-        pool = make_pool()
-        return Engine(mode, pool, make_allocator(pool))
-    from kvcore.adapters.sglang import ElasticScope
-
-    backend = HOST if device == "cpu" else {"backend": "cuda"}
-    scope = ElasticScope({**backend, **kvcore})
-    with scope:
-        pool = make_pool()
-    return Engine(mode, pool, scope.allocator(make_allocator(pool)), scope)
 
 
 @pytest.fixture(params=["off", "on"])

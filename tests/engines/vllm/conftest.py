@@ -2,24 +2,13 @@
 
 Run by the ``test-vllm-<short>`` nox sessions with the forked wheel installed; skipped where
 vLLM (or its kvcore patch series) is not installed, e.g. in the plain ``tests`` session. The
-model named by the scheduler's ``ModelConfig`` resolves from a local hub cache written here
-(no network), which is why the environment is set before vLLM is imported.
+model named by the scheduler's ``ModelConfig`` resolves from a local hub cache (no network):
+``harness.vllm`` sets the environment for it on import, before any test module imports vLLM.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-import tempfile
-from pathlib import Path
-
-_HUB = Path(tempfile.mkdtemp(prefix="kvcore-vllm-hub-"))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ["HF_HUB_CACHE"] = str(_HUB)
-
-sys.path.insert(0, str(Path(__file__).parent))
+from harness.vllm import write_hub
 
 
 def _patched_vllm() -> bool:
@@ -32,8 +21,6 @@ def _patched_vllm() -> bool:
 
 collect_ignore_glob: list[str] = []
 if _patched_vllm():
-    from hf_configs import write_hub_cache
-
-    write_hub_cache(_HUB)
+    write_hub()
 else:  # vLLM missing, or not the kvcore-patched fork
     collect_ignore_glob.append("test_elastic_*.py")

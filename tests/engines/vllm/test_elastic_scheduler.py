@@ -1,9 +1,7 @@
 """Elastic KV under the real vLLM scheduler and KV-cache manager (forked wheel, host backend).
 
-Everything vLLM-side is the release's own code: ``Scheduler``, ``KVCacheManager``, the
-coordinator that builds the pool through the patch seam, ``Request`` and the block hasher.
-Only the model runner is absent: each step's ``ModelRunnerOutput`` is built here (one sampled
-token per scheduled request), which is what vLLM's own scheduler tests do.
+The scheduler, its requests and each step with a stand-in model output come from
+``harness.vllm.scheduler``: everything vLLM-side is the release's own code.
 """
 
 from __future__ import annotations
@@ -15,116 +13,30 @@ from typing import Any
 
 import pytest
 import torch
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
 )
-from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.request import RequestStatus
 
+from harness.vllm.scheduler import (
+    BLOCK,
+    BLOCK_BYTES,
+    BPP,
+    GRAN,
+    SPEC,
+    host_settings,
+    make_request,
+    make_scheduler,
+    step,
+)
 from kvcore.adapters.vllm import elastic_kv_buffer, elastic_settings, memory_for
 from kvcore.adapters.vllm.pool import ElasticBlockPool
-from kvcore.budget.gate import BudgetGate, MemoryGate
+from kvcore.budget.gate import BudgetGate
 from kvcore.errors import GeometryError, KvcoreError, UnsupportedConfiguration
-
-BLOCK = 16  # tokens per block
-GRAN = 4096  # host backend granularity: one page
-# FullAttentionSpec(16 tokens, 1 head, head size 4, float32): 2*16*4*4 = 512 B per block
-SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=4, dtype=torch.float32)
-BLOCK_BYTES = 512
-BPP = GRAN // BLOCK_BYTES  # 8 blocks per page
-
-init_none_hash(sha256)
-_HASHER = get_request_block_hasher(BLOCK, sha256)
-
-
-def _settings(**options: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {"backend": "host", "backend_options": {"granularity": GRAN}}
-    base.update(options)
-    return base
-
-
-def make_scheduler(
-    num_blocks: int,
-    *,
-    caching: bool = False,
-    max_num_seqs: int = 16,
-    max_batched: int = 2048,
-    kvcore: dict[str, Any] | None = None,
-    elastic: bool = True,
-    gate: MemoryGate | None = None,
-    spec: FullAttentionSpec = SPEC,
-) -> Scheduler:
-    """The real vLLM scheduler over ``num_blocks`` blocks of ``spec`` (one KV group), with
-    kvcore's elastic pool (``kvcore`` settings; default: host backend, 4 KiB pages) unless
-    ``elastic=False``. Also ``benchmarks/vllm_scheduler_step.py``'s builder."""
-    model = ModelConfig(model="facebook/opt-125m", dtype="float16", seed=42, max_model_len=2048)
-    sched = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_batched,
-        max_model_len=2048,
-        enable_chunked_prefill=True,
-        async_scheduling=False,
-        is_encoder_decoder=False,
-        watermark=0.0,
-    )
-    cache = CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=caching)
-    vllm_config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache)
-    kv = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
-    )
-    if elastic:
-        kv.kvcore = kvcore if kvcore is not None else _settings()
-    cache.num_gpu_blocks = num_blocks
-    register_all_kvcache_specs(vllm_config)
-    if gate is not None:  # the worker side first, as in an engine core: the pool shares it
-        memory_for(kv, gate=gate)
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv,
-        block_size=BLOCK,
-        log_stats=True,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-    )
-
-
-def make_request(rid: str, tokens: list[int], max_tokens: int = 1) -> Request:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return Request(
-        request_id=rid,
-        prompt_token_ids=tokens,
-        sampling_params=params,
-        pooling_params=None,
-        block_hasher=_HASHER,
-    )
-
-
-def step(scheduler: Scheduler) -> Any:
-    """One scheduler step with a fake model output: one token per scheduled request."""
-    out = scheduler.schedule()
-    ids = list(out.num_scheduled_tokens)
-    runner = ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[7] for _ in ids],
-        logprobs=None,
-        prompt_logprobs_dict={},
-        pooler_output=[],
-    )
-    scheduler.update_from_output(out, runner)
-    return out
 
 
 def pool_of(scheduler: Scheduler) -> ElasticBlockPool:
@@ -215,7 +127,7 @@ def test_eviction_prefers_blocks_that_empty_a_whole_page() -> None:
 def test_tight_physical_budget_requests_wait_or_preempt_and_all_finish() -> None:
     limit_pages = 4  # 32 blocks, the null block's page included
     scheduler = make_scheduler(
-        16 * BPP, max_num_seqs=8, kvcore=_settings(limit_bytes=limit_pages * GRAN)
+        16 * BPP, max_num_seqs=8, kvcore=host_settings(limit_bytes=limit_pages * GRAN)
     )
     pool = pool_of(scheduler)
     reqs = [make_request(f"r{i}", [i + 1] * 5 * BLOCK, max_tokens=40) for i in range(8)]
@@ -242,7 +154,7 @@ def test_kv_buffer_has_a_stable_address_and_backs_allocated_blocks() -> None:
     kv = KVCacheConfig(
         num_blocks=4 * BPP, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], SPEC)]
     )
-    kv.kvcore = _settings()
+    kv.kvcore = host_settings()
     buf = elastic_kv_buffer(kv, torch.device("cpu"), 4 * BPP * BLOCK_BYTES)
     ptr = buf.data_ptr()
     assert buf.numel() == 4 * BPP * BLOCK_BYTES
@@ -296,7 +208,7 @@ def test_a_gate_given_for_existing_memory_or_a_failed_start_is_refused() -> None
     kv = KVCacheConfig(
         num_blocks=7 * BPP, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], SPEC)]
     )
-    kv.kvcore = _settings()
+    kv.kvcore = host_settings()
     memory = memory_for(kv)
     with pytest.raises(KvcoreError, match="already exists"):
         memory_for(kv, gate=_ClosingBudgetGate(GRAN))
@@ -305,7 +217,7 @@ def test_a_gate_given_for_existing_memory_or_a_failed_start_is_refused() -> None
     bad = KVCacheConfig(
         num_blocks=5 * BPP, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], SPEC)]
     )
-    bad.kvcore = _settings(page_bytes=GRAN + BLOCK_BYTES // 2)  # not whole blocks per page
+    bad.kvcore = host_settings(page_bytes=GRAN + BLOCK_BYTES // 2)  # not whole blocks per page
     gate = _ClosingBudgetGate(GRAN)
     with pytest.raises(GeometryError):
         memory_for(bad, gate=gate)
@@ -358,7 +270,7 @@ def _serve_in_child(ledger_dir: str, budget: int, name: str, queue: Any, barrier
     from kvcore.budget.ledger import GpuLedger
     from kvcore.vmm import open_backend
 
-    settings = _settings(gpu_ledger=True, ledger_dir=ledger_dir)
+    settings = host_settings(gpu_ledger=True, ledger_dir=ledger_dir)
     settings["backend_options"]["device_bytes"] = 64 << 20
     scheduler = make_scheduler(16 * BPP, max_num_seqs=8, kvcore=settings)
     pool = pool_of(scheduler)

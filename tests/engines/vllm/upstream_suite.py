@@ -8,7 +8,7 @@ machine without network needs:
 * ``tests/v1/core/conftest.py`` overriding ``should_do_global_cleanup_after_test`` (the root
   conftest's autouse cleanup touches an accelerator);
 * a local Hugging Face hub cache with small ``config.json`` files for the models the tests
-  name (``HF_HUB_OFFLINE=1``: nothing is downloaded), written from ``hf_configs.py``;
+  name (``HF_HUB_OFFLINE=1``: nothing is downloaded), written from ``harness/hf_configs.py``;
 * ``VLLM_TARGET_DEVICE=cpu``.
 
 Modes (``--mode``): ``upstream`` and ``elastic-off`` run the tests as they are (the second
@@ -25,11 +25,11 @@ switch the patched engine reads: every such coordinator-built block pool becomes
 the table of modes and exits 1 when a patched mode fails a test that upstream passed,
 unless that test is listed in ``ELASTIC_EXPECTED`` with the reason.
 
-Usage (the ``test-vllm-<short>`` nox session runs these)::
+Usage, from the repository root (the ``test-vllm-<short>`` nox session runs these)::
 
-    python tests/engines/vllm/upstream_suite.py run --version 0.33.0 --mode upstream \
+    python -m tests.engines.vllm.upstream_suite run --version 0.33.0 --mode upstream \
         --out .results/upstream.json
-    python tests/engines/vllm/upstream_suite.py compare .results/*.json
+    python -m tests.engines.vllm.upstream_suite compare .results/*.json
 """
 
 from __future__ import annotations
@@ -45,11 +45,10 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from harness.hf_configs import write_hub_cache
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
-sys.path.insert(0, str(HERE))
-
-from hf_configs import write_hub_cache  # noqa: E402
 
 MODES = ("upstream", "elastic-off", "elastic-on")
 

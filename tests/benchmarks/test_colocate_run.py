@@ -2,8 +2,9 @@
 core processes with vLLM's real v1 scheduler and the stand-in executor, elastic (kvcore over
 one per-GPU ledger) vs static (upstream, budget split evenly).
 
-Needs vLLM (the forked wheel, for elastic mode): run by the ``test-vllm-*`` nox sessions,
-skipped without vLLM. Each mode starts two processes that import vLLM (~20 s each on 2 cores).
+Needs vLLM (the forked wheel, for elastic mode): the ``test-vllm-*`` nox sessions run it
+beside ``tests/engines/vllm``; skipped without vLLM (the plain ``tests`` session). Each mode
+starts two processes that import vLLM (~20 s each on 2 cores).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Triton kernel of the paged-KV read-bandwidth figure (``gpu_suite.py``, figure b).
+"""The Triton kernel of the paged-KV read-bandwidth figure (``gpu_suite``, figure b).
 
 ``paged_kv_read(k, v, block_table, out)`` reads, for every sequence of a decode batch and
 every block in that sequence's row of the block table, the block's K and V for one layer
@@ -12,7 +12,7 @@ block stride (contiguous per-layer tensors, or the compound layout's views whose
 stride spans every layer); the token, head and dim strides must be the dense ones.
 
 ``reference_read`` computes the same sums with plain torch ops (the correctness reference,
-and the reader ``gpu_suite.py --dry-run`` uses where Triton cannot run).
+and the reader ``gpu_suite --dry-run`` uses where Triton cannot run).
 
 ``HAVE_TRITON`` says whether the kernel is available. Set ``TRITON_INTERPRET=1`` before the
 import to run the kernel on CPU tensors (slow; tiny shapes only).
