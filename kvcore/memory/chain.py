@@ -19,7 +19,7 @@ same chain of parts, each built on the one before:
 ``pages``, ``ledger``
     the ``PageAllocator`` over the mapper and the gate, and the ``BlockLedger`` an engine
     draws blocks from (made by the owner's ``ledger`` factory: the ledger class and its
-    reserved blocks are the engine's). A chain without a gate stops at the mapper (a TP
+    pinned blocks are the engine's). A chain without a gate stops at the mapper (a TP
     worker's: the engine core's allocator drives it over the channel); one without a
     ``ledger`` factory stops at the page allocator (slots take pages by id).
 
@@ -63,13 +63,13 @@ GateOpener = Callable[["VmmBackend | None", KVGeometry], "MemoryGate"]
 """Opens the chain's gate, given its backend (``None`` over a given mapper) and geometry."""
 
 
-def block_ledger(reserved_blocks: Iterable[int] = (0,)) -> LedgerFactory:
-    """A plain ``BlockLedger`` with ``reserved_blocks`` taken for good (default block 0, the
+def block_ledger(pinned_blocks: Iterable[int] = (0,)) -> LedgerFactory:
+    """A plain ``BlockLedger`` with ``pinned_blocks`` taken for good (default block 0, the
     engines' null / padding block, whose page then stays backed)."""
-    reserved = tuple(reserved_blocks)
+    pinned = tuple(pinned_blocks)
 
     def make(geometry: KVGeometry, pages: PageAllocator) -> BlockLedger:
-        return BlockLedger(geometry, pages, reserved_blocks=reserved)
+        return BlockLedger(geometry, pages, pinned_blocks=pinned)
 
     return make
 
@@ -129,7 +129,7 @@ class MemoryChain:
         ``owns_*``: whether ``close`` (and a failed build) closes a part handed in; parts the
         builder makes are always its own. Returns the chain; raises what the failing step
         raises (``BackendUnavailable``/``VmmError``, ``GeometryError``, ``LedgerError``,
-        ``PoolFailed`` when a reserved block's page cannot be mapped, ...) after closing
+        ``PoolFailed`` when a pinned block's page cannot be mapped, ...) after closing
         everything it owns, and ``ValueError`` when neither a backend nor a mapper is
         given."""
         if backend is None and open_backend is None and mapper is None:
