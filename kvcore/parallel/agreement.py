@@ -156,12 +156,12 @@ class AgreedRoom:
         exception from ``attempt`` propagates before any collective."""
         got = attempt()
         try:
-            ok, *room = self._ranks.min([got is not None, *_clamp(self._local())])
+            ok, *room = self._ranks.min([got is not None, *self.local_room()])
         except BaseException:
             if got is not None:
                 undo(got)
             raise
-        self._settle(room)
+        self.settle(room)
         if ok:
             return got
         if got is not None:  # a peer missed: roll back so every rank reports the miss
@@ -186,11 +186,25 @@ class AgreedRoom:
 
     def refresh(self) -> None:
         """Agree this rank's current room with every rank (a collective)."""
-        self._settle(self._ranks.min(_clamp(self._local())))
+        self.settle(self._ranks.min(self.local_room()))
 
-    def _settle(self, room: Sequence[int]) -> None:
+    def local_room(self) -> list[int]:
+        """This rank's own room now, clamped as it is exchanged (no collective): what
+        ``Agreement.step`` contributes for this room."""
+        return _clamp(self._local())
+
+    def settle(self, room: Sequence[int]) -> None:
+        """Take ``room`` (the minimum over every rank of ``local_room()``, one entry per
+        index) as the agreed room; the frees noted since the last agreement are in it."""
+        if len(room) != len(self._room):
+            raise ValueError(f"agreed room has {len(room)} entries, this room {len(self._room)}")
         self._room = list(room)
         self._freed = [0] * len(self._room)
+
+    @property
+    def size(self) -> int:
+        """How many figures the room agrees (its vector's length)."""
+        return len(self._room)
 
 
 class Agreement:
@@ -217,13 +231,12 @@ class Agreement:
         binding = [r for r in self._rooms if r.binds()]
         if not binding:
             return False
-        values = [v for r in binding for v in _clamp(r._local())]
+        values = [v for r in binding for v in r.local_room()]
         agreed = self.ranks.min(values)
         at = 0
         for r in binding:
-            n = len(r._room)
-            r._settle(agreed[at : at + n])
-            at += n
+            r.settle(agreed[at : at + r.size])
+            at += r.size
         return True
 
 
