@@ -67,8 +67,7 @@ def _stack() -> Engine:
 def _tree(kind: str, allocator: Any) -> Any:
     """``radix`` (``RadixCache``) or ``UnifiedRadixCache`` on tree core ``python``/``rust``
     (the trees kvcore's eviction tests build)."""
-    from tests.engines.sglang.test_conformance import radix
-    from tests.engines.sglang.test_eviction import unified_radix
+    from harness.sglang_kv import radix, unified_radix
 
     if kind == "radix":
         return radix(allocator, PAGE)

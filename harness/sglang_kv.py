@@ -94,3 +94,40 @@ def build(
     with scope:
         pool = make_pool()
     return Engine(mode, pool, scope.allocator(make_allocator(pool)), scope)
+
+
+def radix(allocator: Any, page_size: int) -> Any:
+    """SGLang's ``RadixCache`` over ``allocator``, with a small request-to-token pool."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    req_pool = ReqToTokenPool(size=8, max_context_len=4096, device="cpu", enable_memory_saver=False)
+    return RadixCache(
+        CacheInitParams(
+            disable=False,
+            req_to_token_pool=req_pool,
+            token_to_kv_pool_allocator=allocator,
+            page_size=page_size,
+        )
+    )
+
+
+def unified_radix(allocator: Any, page_size: int) -> Any:
+    """SGLang's serving tree (``UnifiedRadixCache``, full attention only) on the tree core
+    ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND`` selects now (SGLang 0.5.23 and later)."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    req = ReqToTokenPool(size=8, max_context_len=4096, device="cpu", enable_memory_saver=False)
+    return UnifiedRadixCache(
+        CacheInitParams(
+            disable=False,
+            req_to_token_pool=req,
+            token_to_kv_pool_allocator=allocator,
+            page_size=page_size,
+            tree_components=(ComponentType.FULL,),
+        )
+    )

@@ -17,23 +17,11 @@ from typing import Any
 import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from harness.sglang_kv import radix
 
 from .harness import matched, requires_cpu_paged_kernels
-
-
-def radix(allocator: Any, page_size: int) -> RadixCache:
-    req_pool = ReqToTokenPool(size=8, max_context_len=4096, device="cpu", enable_memory_saver=False)
-    return RadixCache(
-        CacheInitParams(
-            disable=False,
-            req_to_token_pool=req_pool,
-            token_to_kv_pool_allocator=allocator,
-            page_size=page_size,
-        )
-    )
 
 
 def extend(allocator: Any, prefix: list[int], seq: list[int], last_loc: list[int]) -> Any:

@@ -18,11 +18,12 @@ from sglang.srt.mem_cache import memory_pool
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
+from harness.sglang_kv import radix
 from kvcore.errors import KvcoreError, UnsupportedConfiguration
 
 from .harness import HOST as HOST_CONFIG
 from .harness import PATCHED, build, requires_cpu_paged_kernels, requires_fork
-from .test_conformance import extend, radix
+from .test_conformance import extend
 
 pytestmark = requires_fork
 

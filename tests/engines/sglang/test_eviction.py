@@ -24,12 +24,12 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
+from harness.sglang_kv import radix, unified_radix
 from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.sglang import eviction
 from kvcore.errors import UnsupportedConfiguration
 
 from .harness import matched, requires_fork
-from .test_conformance import radix
 
 pytestmark = requires_fork
 
@@ -49,26 +49,6 @@ PAGE = 4 * (64 << 10)  # device bytes of one page id: 4 handles of 64 KiB
 
 def _key(base: int, n: int) -> RadixKey:
     return RadixKey(token_ids=array("q", range(base, base + n)))
-
-
-def unified_radix(allocator: Any, page_size: int) -> Any:
-    """SGLang's serving tree (``UnifiedRadixCache``, full attention only) on the tree core
-    ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND`` selects now."""
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.mem_cache.unified_cache.components import ComponentType
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-
-    req = ReqToTokenPool(size=8, max_context_len=4096, device="cpu", enable_memory_saver=False)
-    return UnifiedRadixCache(
-        CacheInitParams(
-            disable=False,
-            req_to_token_pool=req,
-            token_to_kv_pool_allocator=allocator,
-            page_size=page_size,
-            tree_components=(ComponentType.FULL,),
-        )
-    )
 
 
 def _python_unified(allocator: Any, page_size: int) -> Any:
