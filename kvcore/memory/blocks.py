@@ -106,7 +106,7 @@ class BlockLedger:
         bad = [b for b in pinned if not 0 <= b < nb]
         if bad:
             raise InvalidTransition(
-                f"block ledger: pinned_blocks {bad} are outside 0..{nb - 1}",
+                f"block ledger: pinned blocks {bad} are outside 0..{nb - 1}",
                 ids=bad,
             )
         held = sorted({b // bpp for b in pinned})
