@@ -48,6 +48,41 @@ def host_settings(**options: Any) -> dict[str, Any]:
     return base
 
 
+def vllm_config(
+    *,
+    caching: bool = False,
+    max_num_seqs: int = 16,
+    max_batched: int = 2048,
+    async_scheduling: bool = False,
+) -> VllmConfig:
+    """The ``VllmConfig`` of the scheduler tests: a small OPT model config (dummy, offline),
+    chunked prefill, ``BLOCK``-token blocks, prefix caching if ``caching``."""
+    model = ModelConfig(model="facebook/opt-125m", dtype="float16", seed=42, max_model_len=2048)
+    sched = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_batched,
+        max_model_len=2048,
+        enable_chunked_prefill=True,
+        async_scheduling=async_scheduling,
+        is_encoder_decoder=False,
+        watermark=0.0,
+    )
+    cache = CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=caching)
+    config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache)
+    config.scheduler_config.async_scheduling = async_scheduling  # on CPU vLLM turns it off
+    return config
+
+
+def kv_cache_config(num_blocks: int, spec: FullAttentionSpec = SPEC) -> KVCacheConfig:
+    """One KV group (layer ``"layer"``) of ``num_blocks`` blocks of ``spec``; no kvcore
+    settings (set ``.kvcore`` for elastic KV)."""
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+
+
 def make_scheduler(
     num_blocks: int,
     *,
@@ -62,35 +97,20 @@ def make_scheduler(
     """The real vLLM scheduler over ``num_blocks`` blocks of ``spec`` (one KV group), with
     kvcore's elastic pool (``kvcore`` settings; default: ``host_settings()``) unless
     ``elastic=False``."""
-    model = ModelConfig(model="facebook/opt-125m", dtype="float16", seed=42, max_model_len=2048)
-    sched = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_batched,
-        max_model_len=2048,
-        enable_chunked_prefill=True,
-        async_scheduling=False,
-        is_encoder_decoder=False,
-        watermark=0.0,
-    )
-    cache = CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=caching)
-    vllm_config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache)
-    kv = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
-    )
+    config = vllm_config(caching=caching, max_num_seqs=max_num_seqs, max_batched=max_batched)
+    kv = kv_cache_config(num_blocks, spec)
     if elastic:
         kv.kvcore = kvcore if kvcore is not None else host_settings()
-    cache.num_gpu_blocks = num_blocks
-    register_all_kvcache_specs(vllm_config)
+    config.cache_config.num_gpu_blocks = num_blocks
+    register_all_kvcache_specs(config)
     if gate is not None:  # the worker side first, as in an engine core: the pool shares it
         memory_for(kv, gate=gate)
     return Scheduler(
-        vllm_config=vllm_config,
+        vllm_config=config,
         kv_cache_config=kv,
         block_size=BLOCK,
         log_stats=True,
-        structured_output_manager=StructuredOutputManager(vllm_config),
+        structured_output_manager=StructuredOutputManager(config),
     )
 
 

@@ -16,20 +16,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_elastic_scheduler import BLOCK, BPP, SPEC, make_request
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.mem_utils import MemorySnapshot
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import request_memory
 
+from harness.vllm.scheduler import BLOCK, BPP, SPEC, kv_cache_config, make_request, vllm_config
 from kvcore.adapters.vllm.memory import ElasticKVMemory
 from kvcore.adapters.vllm.pool import ElasticBlockPool
 from kvcore.adapters.vllm.profiling import elastic_request_memory, plan_memory
@@ -49,31 +49,6 @@ GRAN = 4096
 MIB = 1 << 20
 
 
-def _vllm_config(*, async_scheduling: bool, caching: bool = False) -> VllmConfig:
-    model = ModelConfig(model="facebook/opt-125m", dtype="float16", seed=42, max_model_len=2048)
-    sched = SchedulerConfig(
-        max_num_seqs=16,
-        max_num_batched_tokens=2048,
-        max_model_len=2048,
-        enable_chunked_prefill=True,
-        async_scheduling=async_scheduling,
-        is_encoder_decoder=False,
-        watermark=0.0,
-    )
-    cache = CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=caching)
-    config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache)
-    config.scheduler_config.async_scheduling = async_scheduling  # CPU turns it off
-    return config
-
-
-def _kv_config(num_blocks: int) -> KVCacheConfig:
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], SPEC)],
-    )
-
-
 def _elastic(
     vllm_config: VllmConfig,
     num_blocks: int,
@@ -90,7 +65,7 @@ def _elastic(
         else {"granularity": gran, "device_bytes": device_bytes},
         **options,
     }
-    kv = _kv_config(num_blocks)
+    kv = kv_cache_config(num_blocks)
     kv.kvcore = elastic_settings(vllm_config, kv)
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     return kv
@@ -156,7 +131,7 @@ def _clean() -> Iterator[None]:
 
 
 def test_a_closed_memory_is_never_handed_out_again() -> None:
-    config = _vllm_config(async_scheduling=False)
+    config = vllm_config(async_scheduling=False)
     kv = _elastic(config, 4 * BPP)
     first = memory_for(kv)
     assert memory_for(kv) is first
@@ -180,7 +155,7 @@ def test_close_all_closes_a_pools_own_memory_while_the_pool_still_lives(
     closes with the pool (``close``, or its collection), and ``close_all`` closes it at a
     known point: the ledger record is gone without the garbage collector."""
     monkeypatch.setenv("KVCORE_LEDGER_DIR", str(tmp_path))
-    config = _vllm_config(async_scheduling=False)
+    config = vllm_config(async_scheduling=False)
     kv = _elastic(config, 4 * BPP, gpu_ledger=True)
     scheduler = _scheduler(config, kv)  # no memory_for first: the pool's own memory
     pool = _pool(scheduler)
@@ -201,7 +176,7 @@ def _ledger_kv(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[VllmConfig, KVCacheConfig, FaultInjector, ElasticKVMemory]:
     monkeypatch.setenv("KVCORE_LEDGER_DIR", str(tmp_path))
-    config = _vllm_config(async_scheduling=False)
+    config = vllm_config(async_scheduling=False)
     kv = _elastic(config, 8 * BPP, gpu_ledger=True)
     backend = FaultInjector(open_backend("host", 0, granularity=GRAN, device_bytes=64 * MIB))
     memory = memory_for(kv, backend=backend)  # the worker side, as in an engine core
@@ -273,7 +248,7 @@ def test_close_raises_after_releasing_everything_else(
 
 
 def test_async_scheduling_keeps_a_freed_page_mapped_until_the_batch_in_flight_is_done() -> None:
-    config = _vllm_config(async_scheduling=True)
+    config = vllm_config(async_scheduling=True)
     kv = _elastic(config, 8 * BPP)
     assert kv.kvcore is not None and kv.kvcore["release_fence"] is True
     scheduler = _scheduler(config, kv)
@@ -306,7 +281,7 @@ def test_async_scheduling_keeps_a_freed_page_mapped_until_the_batch_in_flight_is
 
 
 def test_synchronous_scheduling_releases_at_once() -> None:
-    config = _vllm_config(async_scheduling=False)
+    config = vllm_config(async_scheduling=False)
     kv = _elastic(config, 8 * BPP)
     assert kv.kvcore is not None and kv.kvcore["release_fence"] is False
     scheduler = _scheduler(config, kv)
@@ -328,7 +303,7 @@ def test_a_second_instance_plans_with_its_logical_capacity(
     monkeypatch.setenv("KVCORE_LEDGER_DIR", str(tmp_path))
     device_bytes, gran = 1 << 30, 2 * MIB  # 2 MiB pages: few mappings for 600 MiB
     # instance 1 already holds 60% of the device in KV pages
-    config1 = _vllm_config(async_scheduling=False)
+    config1 = vllm_config(async_scheduling=False)
     kv1 = _elastic(
         config1,
         400 * (gran // SPEC.page_size_bytes),
@@ -368,7 +343,7 @@ def test_a_second_instance_plans_with_its_logical_capacity(
     )
 
     # and the second instance does start: its own memory registers in the same ledger
-    kv2 = _kv_config(16 * (gran // SPEC.page_size_bytes))
+    kv2 = kv_cache_config(16 * (gran // SPEC.page_size_bytes))
     kv2.kvcore = kv1.kvcore
     second = memory_for(kv2)
     assert not second.closed
