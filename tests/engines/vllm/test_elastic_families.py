@@ -26,7 +26,6 @@ from typing import Any
 
 import pytest
 import torch
-from test_elastic_scheduler import step
 from test_families_vllm import mamba2_spec, planning
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
@@ -51,6 +50,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from harness.vllm.scheduler import step
 from kvcore.adapters.vllm import elastic_settings, memory_for
 from kvcore.adapters.vllm.memory import ElasticKVMemory
 from kvcore.adapters.vllm.pool import ElasticBlockPool

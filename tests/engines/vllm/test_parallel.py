@@ -44,8 +44,6 @@ planning = pytest.importorskip(
     "kv_cache_utils)",
 )
 
-from test_elastic_scheduler import BLOCK, GRAN, SPEC  # noqa: E402
-from test_elastic_scheduler import step as scheduler_step  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
     DeviceConfig,
@@ -62,6 +60,8 @@ from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from harness.vllm.scheduler import BLOCK, GRAN, SPEC  # noqa: E402
+from harness.vllm.scheduler import step as scheduler_step  # noqa: E402
 from kvcore.adapters.config import ElasticConfig  # noqa: E402
 from kvcore.adapters.vllm import elastic_settings  # noqa: E402
 from kvcore.adapters.vllm.parallel import (  # noqa: E402
