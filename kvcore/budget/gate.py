@@ -9,6 +9,11 @@ instances hold. ``UnlimitedGate`` is the gate of a lone process with no ledger,
 
 Gate calls are made off the scheduler's hot path where possible (the reserve refill thread);
 ``try_acquire`` must be cheap and must never block for long.
+
+Two methods are optional beyond the protocol (the page allocator looks for them):
+``headroom()``, the bytes ``try_acquire`` would still admit, and ``overage()``, the bytes in
+use beyond a limit lowered below them (``kvctl limit``): what the engine is asked to give
+back by dropping cached KV.
 """
 
 from __future__ import annotations
@@ -68,6 +73,12 @@ class UnlimitedGate:
         ``MemoryGate`` protocol: ``PageAllocator.available()`` uses it where a gate has it."""
         return None
 
+    def overage(self) -> int:
+        """Bytes in use (held, less the idle reserve) beyond the limit: 0 here (no limit).
+        Optional beyond the ``MemoryGate`` protocol: the page allocator asks the engine to
+        shed that much cached KV (``PageAllocator.shed_wanted``)."""
+        return 0
+
 
 class BudgetGate(UnlimitedGate):
     """A fixed byte budget for one process (tests, benchmarks, a lone engine with a cap)."""
@@ -79,6 +90,11 @@ class BudgetGate(UnlimitedGate):
     def headroom(self) -> int | None:
         with self._lock:
             return max(self.limit - self.held, 0)
+
+    def overage(self) -> int:
+        """Bytes in use beyond ``limit`` (a caller may lower ``limit`` below what is held)."""
+        with self._lock:
+            return max(self.held - self.reserve - self.limit, 0)
 
     def try_acquire(self, nbytes: int) -> bool:
         with self._lock:

@@ -343,7 +343,8 @@ class GpuLedger:
     ) -> tuple[InstanceRecord, InstanceRecord]:
         """Set instance ``name``'s limit to ``limit`` bytes (0: none); returns the record
         before and after. Lowering below current use is deferred by the instance's gate
-        (no new memory until use falls), never an error. Raises ``UnknownInstance``
+        (no new memory until use falls; the engine is asked to shed cached KV down to it,
+        ``LedgerGate.overage``), never an error. Raises ``UnknownInstance``
         (message lists the known names) and, when ``if_revision`` is given and is not the
         current limit revision, ``RevisionConflict`` (nothing changed)."""
         _check_bytes("limit", limit)

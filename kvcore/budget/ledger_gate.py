@@ -71,7 +71,9 @@ class LedgerGate:
       budget refuses, dead instances are reclaimed (at most once per
       ``SWEEP_INTERVAL_S``) and the check repeated once.
     * A limit lowered below use (``kvctl limit``) refuses new memory until use falls
-      under it; ``reserve_target`` shrinks the reserve first. Never an error.
+      under it; ``reserve_target`` shrinks the reserve first and ``overage`` tells the
+      engine how much cached KV to drop. Never an error; a raised or removed limit admits
+      memory again at once.
     * ``reserve_target(wanted)`` is 0 while a trim is requested (``kvctl trim``).
     * ``close`` removes the record (also done for it by the stale sweep if the process
       dies). Every method raises ``LedgerError`` if the record was removed under it.
@@ -80,7 +82,7 @@ class LedgerGate:
       ``try_acquire`` is a miss, ``release`` is deferred (the record keeps the bytes, which
       overstates this instance to the others, never the reverse, until the next call that
       gets the lock applies it), ``report_reserve`` is skipped, ``reserve_target`` keeps
-      the reserve and ``headroom`` promises nothing.
+      the reserve, ``headroom`` promises nothing and ``overage`` asks for nothing.
     """
 
     def __init__(
@@ -317,6 +319,25 @@ class LedgerGate:
         if limit:
             room = min(room, limit - mapped)
         return max(0, room)
+
+    def overage(self) -> int:
+        """Bytes this instance uses (mapped less its idle reserve) beyond its limit: what a
+        limit lowered below use (``kvctl limit``) asks it to give back; 0 without a limit,
+        within it, or while the ledger is busy. A lowered GPU budget asks nobody in
+        particular: it only refuses new memory until the total falls under it. Beyond the
+        ``MemoryGate`` protocol: the page allocator reads it once per background round.
+        Raises ``LedgerError`` when the record was removed."""
+        try:
+            buf = self._enter(exclusive=False)
+        except LedgerBusy:
+            return 0  # shed nothing on a reading the ledger cannot confirm
+        try:
+            mapped, reserve, limit, _, _, _ = self._figures(buf)
+        finally:
+            self._unlock()
+        if not limit:
+            return 0
+        return max(0, mapped - reserve - limit)
 
     # -- the hot path: no context managers, one unpack for the record, one for the header --
 

@@ -153,6 +153,11 @@ class RankLedgerGates:
         """The least reserve any rank's record allows (at most ``wanted``)."""
         return min((gate.reserve_target(wanted) for gate in self.gates), default=wanted)
 
+    def overage(self) -> int:
+        """The most any rank's record uses beyond its limit (every rank holds the same
+        pages, so shedding for the worst rank brings every rank under its limit)."""
+        return max((gate.overage() for gate in self.gates), default=0)
+
     def close(self) -> None:
         """Remove every rank's record and close the ledgers. Idempotent; raises the first
         ``KvcoreError`` after closing the rest."""

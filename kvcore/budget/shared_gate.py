@@ -6,8 +6,9 @@ sliding-window sub-pool; a hybrid Mamba model: a KV pool and a Mamba state pool)
 instance's budget (``limit_bytes``, the per-GPU ledger's instance limit) must cover them all,
 so they draw on one gate: ``SharedGate`` opens the real gate once (the first joiner's
 ``make``) and hands each allocator a ``GateShare``. A share forwards ``try_acquire`` /
-``release`` / ``headroom`` / ``reserve_target`` to the one gate; ``report_reserve`` is per
-share (a page allocator reports its own reserve) and the gate sees the sum. The gate is
+``release`` / ``headroom`` / ``overage`` / ``reserve_target`` to the one gate;
+``report_reserve`` is per share (a page allocator reports its own reserve) and the gate sees
+the sum. The gate is
 closed when the last share closes.
 """
 
@@ -75,10 +76,10 @@ class SharedGate:
 
 class GateShare:
     """One manager's view of a ``SharedGate`` (a ``MemoryGate``). ``try_acquire``,
-    ``release``, ``reserve_target`` and ``headroom`` forward to the shared gate (raising what
-    it raises) and raise ``KvcoreError`` once it closed; ``report_reserve`` reports this
-    share's reserve. ``close`` leaves the shared gate (idempotent); the last share to leave
-    closes it."""
+    ``release``, ``reserve_target``, ``headroom`` and ``overage`` forward to the shared gate
+    (raising what it raises) and raise ``KvcoreError`` once it closed; ``report_reserve``
+    reports this share's reserve. ``close`` leaves the shared gate (idempotent); the last
+    share to leave closes it."""
 
     def __init__(self, owner: SharedGate, key: int) -> None:
         self._owner = owner
@@ -110,6 +111,13 @@ class GateShare:
         room = getattr(self._gate(), "headroom", None)
         value = room() if callable(room) else None
         return value if isinstance(value, int) else None
+
+    def overage(self) -> int:
+        """The shared gate's overage (0 where the gate has no such figure). Every share sees
+        all of it: each pool sheds cached KV until the instance is under its limit."""
+        over = getattr(self._gate(), "overage", None)
+        value = over() if callable(over) else 0
+        return value if isinstance(value, int) else 0
 
     def close(self) -> None:
         self._owner._leave(self._key)

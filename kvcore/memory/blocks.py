@@ -279,33 +279,55 @@ class BlockLedger:
         not allocated here go to the second group."""
         ordered = list(candidates)
         with self._lock:
-            state = self._state
-            bpp = self._bpp
-            nb = self._num_blocks
-            counts: dict[int, int] = {}
-            for b in dict.fromkeys(ordered):
-                if 0 <= b < nb and state[b] == _ALLOCATED:
-                    p = b // bpp
-                    counts[p] = counts.get(p, 0) + 1
-            empties = set()
-            for p, k in counts.items():
-                held = self._bucket_of[p] != _NOT_HELD
-                if held and k == self._capacity[p] - len(self._stacks[p]):
-                    empties.add(p)
-            if not empties:
-                return ordered
-            first: list[int] = []
-            rest: list[int] = []
-            for b in ordered:
-                emptying = 0 <= b < nb and b // bpp in empties and state[b] == _ALLOCATED
-                (first if emptying else rest).append(b)
+            empties = self._emptied_pages_locked(ordered)
+        if not empties:
+            return ordered
+        emptying = {b for ids in empties.values() for b in ids}
+        first: list[int] = []
+        rest: list[int] = []
+        for b in ordered:
+            (first if b in emptying else rest).append(b)
         return first + rest
+
+    def blocks_emptying_pages(self, candidates: Iterable[int], pages: int) -> list[int]:
+        """Of evictable block ids (as for ``eviction_order``: allocated, cached,
+        unreferenced, in the engine's LRU order), those whose eviction empties up to
+        ``pages`` whole pages, the page of the least recently used candidate first; each
+        page's ids in candidate order. ``[]`` when no page would empty (every page has a
+        block in use or pinned) or ``pages <= 0``. What an engine frees to shed memory
+        (``PageAllocator.shed_wanted``): evicting cached blocks on a page still in use would
+        lose them and give nothing back."""
+        if pages <= 0:
+            return []
+        with self._lock:
+            empties = self._emptied_pages_locked(list(candidates))
+        out: list[int] = []
+        for ids in list(empties.values())[:pages]:
+            out += ids
+        return out
 
     def close(self) -> None:
         """Close the page allocator (unmaps every page). The ledger is unusable after."""
         self._pages.close()
 
     # ------------------------------------------------------------------ helpers
+
+    def _emptied_pages_locked(self, ordered: list[int]) -> dict[int, list[int]]:
+        """The held pages whose every allocated block is in ``ordered`` (in the order of
+        their first candidate), each with its candidates (deduplicated, in order)."""
+        state = self._state
+        bpp = self._bpp
+        nb = self._num_blocks
+        by_page: dict[int, list[int]] = {}
+        for b in dict.fromkeys(ordered):
+            if 0 <= b < nb and state[b] == _ALLOCATED:
+                by_page.setdefault(b // bpp, []).append(b)
+        return {
+            p: ids
+            for p, ids in by_page.items()
+            if self._bucket_of[p] != _NOT_HELD
+            and len(ids) == self._capacity[p] - len(self._stacks[p])
+        }
 
     def _alloc(self, n: int, runs: list[tuple[int, int]] | None) -> list[int] | None:
         """``alloc(n)`` (``n > 0``) under ``_lock``: the ids taken from partly used pages,

@@ -31,8 +31,9 @@ thread. Only when the reserve and the pages waiting to be unmapped cannot cover 
 does ``acquire`` map on the calling thread.
 
 Background rounds. The background thread's work comes in *rounds*: read the gate's
-``reserve_target``, map a refill batch for the reserve, unmap the queued surplus, release
-pooled handles when asked to, report the idle memory to the gate. With ``background=False``
+``reserve_target`` (and ``overage``, where it has one), map a refill batch for the reserve,
+unmap the queued surplus, release pooled handles when asked to, report the idle memory to
+the gate. With ``background=False``
 no thread is started and ``run_round()`` runs one round on the calling thread (``flush()``
 runs them until nothing is left to do); everything else behaves the same. Every
 time-based decision (retry back-off, unmap back-off, the demand window) reads ``clock``
@@ -46,6 +47,13 @@ still capacity: ``available()`` counts it, and an ``acquire`` that would otherwi
 waits for that mapper call to finish and tries again, so a free followed at once by an
 allocation of the same room succeeds exactly as it would on a static pool, and a refill an
 acquire woke never takes the page that acquire then needs.
+
+Shedding. A limit lowered below what is in use (``kvctl limit``) stops growth at once (the
+gate refuses new pages) and cuts the reserve first; what is still in use beyond it can only
+come back from the engine, which holds cached blocks there. Each round turns the gate's
+``overage()`` into ``shed_wanted()`` pages; an engine reads it every step and frees cached
+blocks that empty that many pages, and ``set_shed_listener`` wakes an engine that is idle.
+A raised or removed limit admits new pages at the next ``acquire`` or refill.
 
 Fences. ``release(ids, fence=step)`` keeps the pages mapped until ``retire(upto)`` with
 ``upto >= step``: engines pass monotonically increasing step numbers, and one ``retire`` of
@@ -271,6 +279,10 @@ class PageAllocator:
         self._gate: MemoryGate = gate if gate is not None else UnlimitedGate()
         headroom = getattr(self._gate, "headroom", None)  # optional beyond MemoryGate
         self._headroom: Callable[[], int | None] | None = headroom if callable(headroom) else None
+        overage = getattr(self._gate, "overage", None)  # optional beyond MemoryGate
+        self._overage: Callable[[], int] | None = overage if callable(overage) else None
+        self._shed = 0  # in-use pages the gate wants back; refreshed by every round
+        self._shed_listener: Callable[[], None] | None = None
         self._num_pages = num_pages
         self._page_bytes = mapper.page_bytes
         self._reserve_min = reserve_min
@@ -523,6 +535,8 @@ class PageAllocator:
                         hint="release only pages acquire() handed out, once each",
                     )
                 state[p] = _RELEASING
+            if self._shed:  # every page leaving use counts until the next round recounts
+                self._shed = max(0, self._shed - len(page_ids))
             if fence is not None and (self._retired_upto is None or fence > self._retired_upto):
                 for p in page_ids:
                     state[p] = _FENCED
@@ -572,6 +586,26 @@ class PageAllocator:
             self._reserve_dirty = True
             self._wake.notify()
             return len(dropped)
+
+    def shed_wanted(self) -> int:
+        """Pages in use that the gate wants back now: its ``overage()`` (a limit lowered
+        below use, ``kvctl limit``) in pages, less the pages already on their way out
+        (released behind a fence, queued for unmap, unmapping). The engine answers by
+        freeing cached blocks that empty that many pages (vLLM's pool: ``shed``); the
+        allocator itself never takes a page in use. Recounted by every background round
+        (every ``poll_interval`` at least) and lowered by every ``release`` in between, so
+        an engine that asks every step never sheds the same overage twice. A plain read
+        (no lock, no gate call): cheap enough for every engine step. 0 with a gate that
+        has no ``overage``."""
+        return self._shed
+
+    def set_shed_listener(self, listener: Callable[[], None] | None) -> None:
+        """Call ``listener()`` (no argument, no lock held, on the background thread or
+        ``run_round``'s caller) after every round that leaves ``shed_wanted() > 0``: how an
+        engine that is idle, and so never steps, learns that it should shed (vLLM: wake its
+        engine core). It must be quick and must not call back into this allocator on the
+        calling thread; what it raises is logged and ignored. ``None`` removes it."""
+        self._shed_listener = listener
 
     def flush(self, timeout: float | None = 10.0) -> bool:
         """Wait until a full background round has run after this call and nothing is left
@@ -1117,8 +1151,10 @@ class PageAllocator:
         pb = self._page_bytes
         wanted = self._reserve_max + self._pooled  # idle pages: the reserve, then the pool
         allowed = max(self._gate.reserve_target(wanted * pb) // pb, 0)
+        over = self._overage() if self._overage is not None else 0
         with self._lock:
             self._reserve_cap = min(allowed, self._reserve_max)
+            self._shed = self._shed_count_locked(over)
             # the pool goes first when the gate cuts the idle memory, and all of it on trim()
             trim_asked, self._trim_pool = self._trim_pool, False
             pool_keep = 0 if trim_asked else allowed - self._reserve_cap
@@ -1154,6 +1190,20 @@ class PageAllocator:
         with self._lock:
             self._rounds += 1
             self._settled.notify_all()
+        listener = self._shed_listener
+        if listener is not None and self._shed:
+            try:
+                listener()
+            except Exception:  # the engine's business: the allocator goes on
+                log.exception("kvcore: the shed listener raised")
+
+    def _shed_count_locked(self, overage: int) -> int:
+        """``overage`` bytes as pages in use to shed, less the pages already leaving use."""
+        if overage <= 0:
+            return 0
+        leaving = len(self._unmap_queue) + len(self._bg_unmaps)
+        leaving += sum(len(pages) for pages in self._fenced.values())
+        return max(0, -(-overage // self._page_bytes) - leaving)
 
     def _background_call_done_locked(self, *, maps: bool) -> None:
         """The background mapper call on ``_bg_maps`` (or ``_bg_unmaps``) is over: its pages

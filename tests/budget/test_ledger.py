@@ -262,20 +262,25 @@ def test_lowered_limit_is_deferred_and_trims_the_reserve_first(ledger: GpuLedger
     assert a.try_acquire(8 * MiB)
     a.report_reserve(3 * MiB)  # in use: 5 MiB
     assert a.reserve_target(3 * MiB) == 3 * MiB
+    assert a.overage() == 0
     ledger.set_limit("a", 6 * MiB)
     assert a.reserve_target(3 * MiB) == 1 * MiB, "the reserve shrinks to fit the limit"
+    assert a.overage() == 0, "the 5 MiB in use fit: only the reserve is over"
     assert not a.try_acquire(PAGE), "no new memory while over the limit"
     rec = a.record()
     assert rec.over_limit and rec.mapped == 8 * MiB, "nothing taken away, nothing raised"
     ledger.set_limit("a", 4 * MiB)
     assert a.reserve_target(3 * MiB) == 0
+    assert a.overage() == 1 * MiB, "in use beyond the limit: the engine is asked to shed it"
     a.release(3 * MiB)  # the allocator drops its reserve ...
     a.report_reserve(0)
-    assert a.record().over_limit
+    assert a.record().over_limit and a.overage() == 1 * MiB
     a.release(2 * MiB)  # ... and use falls below the limit
-    assert not a.record().over_limit
+    assert not a.record().over_limit and a.overage() == 0
     assert a.try_acquire(1 * MiB)
     assert not a.try_acquire(1)
+    ledger.set_limit("a", 0)  # lifted: growth comes back at once (kvcached #498)
+    assert a.try_acquire(64 * MiB) and a.overage() == 0
 
 
 def test_lowered_budget_is_deferred(ledger: GpuLedger) -> None:
@@ -284,6 +289,7 @@ def test_lowered_budget_is_deferred(ledger: GpuLedger) -> None:
     b.report_reserve(100 * MiB)
     ledger.set_budget(450 * MiB)  # below the 600 MiB mapped
     assert not a.try_acquire(PAGE)
+    assert a.overage() == b.overage() == 0, "a lowered budget asks nobody in particular"
     assert b.reserve_target(100 * MiB) == 0, "reserves go first"
     b.release(100 * MiB)
     b.report_reserve(0)

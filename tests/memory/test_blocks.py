@@ -291,6 +291,26 @@ def test_eviction_order_puts_page_emptying_blocks_first_stably(stack: MemStack) 
     assert stack.pages.state(ledger.page_of(p2[0])) is not PageState.IN_USE
 
 
+def test_blocks_emptying_pages_names_whole_pages_least_recently_used_first(
+    stack: MemStack,
+) -> None:
+    ledger = stack.ledger()
+    ids = ledger.alloc(12)  # three full pages
+    assert ids is not None
+    p1, p2, p3 = (
+        sorted(b for b in ids if ledger.page_of(b) == page)
+        for page in sorted(pages_of(ledger, ids))
+    )
+    # LRU order: page 3 whole (first seen), page 2 whole, half of page 1 (in use otherwise)
+    lru = [p3[1], p2[0], p3[0], p1[0], p1[1], *p2[1:], p3[2], p3[3]]
+    assert ledger.blocks_emptying_pages(lru, 1) == [p3[1], p3[0], p3[2], p3[3]]
+    assert ledger.blocks_emptying_pages(lru, 5) == [p3[1], p3[0], p3[2], p3[3], *p2]
+    assert ledger.blocks_emptying_pages(lru, 0) == []
+    assert ledger.blocks_emptying_pages([p1[0], p1[1], 30], 3) == []  # page 1 stays in use
+    ledger.free(ledger.blocks_emptying_pages(lru, 1))
+    assert stack.pages.state(ledger.page_of(p3[0])) is not PageState.IN_USE
+
+
 def test_a_fenced_free_keeps_the_page_mapped_until_retired(stack: MemStack) -> None:
     ledger = stack.ledger()
     ids = ledger.alloc(4)

@@ -8,6 +8,7 @@ thread; a caller waits for the pages it has in flight) keep it and wait on event
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -184,6 +185,65 @@ def test_gate_refusal_is_a_miss_with_nothing_mapped(backend: str) -> None:
     finally:
         stack.close()
     assert gate.held == 0
+
+
+def test_a_limit_lowered_below_use_asks_for_pages_back_and_a_lifted_one_admits_again(
+    backend: str,
+) -> None:
+    gate = BudgetGate(limit=1 << 40)
+    stack = build_stack(backend, gate=gate, background=False)
+    pages, pb = stack.pages, stack.pages.page_bytes
+    woken: list[int] = []
+    pages.set_shed_listener(lambda: woken.append(pages.shed_wanted()))
+    try:
+        ids = pages.acquire(6)
+        assert ids is not None and pages.flush()
+        assert pages.shed_wanted() == 0 and woken == []
+        gate.limit = 2 * pb  # kvctl limit: 6 pages in use, 2 allowed
+        pages.run_round()
+        assert pages.shed_wanted() == 4 and woken == [4]  # the listener ran after the round
+        assert pages.acquire(1) is None, "no growth over the limit: a miss, not an error"
+        pages.release(ids[:1])  # a page leaving use lowers the ask before the next round
+        assert pages.shed_wanted() == 3
+        pages.release(ids[1:3])
+        assert pages.flush()  # the rounds count the pages unmapped since
+        assert pages.shed_wanted() == 1
+        pages.release(ids[3:4])
+        assert pages.flush()
+        assert pages.shed_wanted() == 0 and gate.held == 2 * pb
+        woken.clear()
+        pages.run_round()
+        assert woken == [], "nothing asked: no wake-up"
+        gate.limit = 1 << 40  # lifted: growth comes back at once (kvcached #498)
+        more = pages.acquire(4)
+        assert more is not None and pages.flush()
+        assert pages.stats().in_use == 6 and gate.held == 6 * pb and pages.shed_wanted() == 0
+    finally:
+        stack.close()
+
+
+def test_a_raising_shed_listener_is_logged_and_the_allocator_goes_on(
+    backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    gate = BudgetGate(limit=1 << 40)
+    stack = build_stack(backend, gate=gate, background=False)
+    pages = stack.pages
+
+    def broken() -> None:
+        raise RuntimeError("listener bug")
+
+    pages.set_shed_listener(broken)
+    try:
+        ids = pages.acquire(2)
+        assert ids is not None
+        gate.limit = pages.page_bytes
+        with caplog.at_level(logging.ERROR, logger="kvcore.memory.pages"):
+            pages.run_round()
+        assert "shed listener raised" in caplog.text
+        pages.release(ids)
+        assert pages.flush() and gate.held == 0 and not pages.stats().failed
+    finally:
+        stack.close()
 
 
 def test_the_zero_page_is_charged_from_construction_to_close_by_default(backend: str) -> None:

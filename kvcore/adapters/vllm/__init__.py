@@ -9,10 +9,12 @@ buffer's allocation); what they call is here:
 * ``layouts`` — ``elastic_kv_cache_layouts`` (the engine core resolves a KV cache layout
   kvcore can back);
 * ``warmup`` — ``warmup_blocks`` (the worker's start-up warm-up writes only backed blocks);
+* ``idle`` — ``attach_engine_core`` (an idle engine core is woken to shed cached KV when a
+  lowered limit asks for memory back);
 * ``pool`` — ``ElasticBlockPool``, vLLM's own ``BlockPool`` over a kvcore ``BlockLedger``;
 * ``checks`` — which vLLM configurations elastic KV supports.
 
-Importing ``runtime`` does not import vLLM; ``pool`` does (it subclasses vLLM's class).
+Importing ``runtime`` does not import vLLM; ``pool`` and ``idle`` do (it subclasses vLLM's class).
 Importing this package routes kvcore's log records through vLLM's ``vllm`` logger
 (``kvcore.adapters.engine_logging``), so they show in the engine's output.
 """
@@ -27,9 +29,19 @@ from kvcore.adapters.vllm.runtime import (
 )
 from kvcore.adapters.vllm.warmup import warmup_blocks
 
+
+def attach_engine_core(engine_core: object) -> object:
+    """``kvcore.adapters.vllm.idle.attach_engine_core``, imported when called (it imports
+    vLLM's block pool, which importing this package does not)."""
+    from kvcore.adapters.vllm.idle import attach_engine_core as attach
+
+    return attach(engine_core)
+
+
 follow_engine_logger("vllm")
 
 __all__ = [
+    "attach_engine_core",
     "elastic_block_pool_class",
     "elastic_kv_buffer",
     "elastic_kv_cache_layouts",

@@ -22,7 +22,11 @@ request waits, or a running one is preempted) instead of failing (invariant 2).
 
 ``max_cached_blocks`` bounds the ref-count-0 cached blocks; past it, blocks are evicted in
 ``BlockLedger.eviction_order`` (whole pages first, otherwise LRU) and freed to the ledger.
-``trim(n)`` evicts up to ``n`` cached blocks the same way (memory pressure from outside).
+``trim(n)`` evicts up to ``n`` cached blocks the same way. ``shed()`` answers a limit lowered
+below use (``kvctl limit``; ``PageAllocator.shed_wanted``): it evicts the cached blocks of
+whole pages, least recently used first, until the pages asked for are on their way back.
+``step_done`` sheds every step; an idle engine core is woken to shed
+(``kvcore.adapters.vllm.idle``).
 
 ``get_num_free_blocks`` is an estimate (another process sharing the budget can take it before
 the blocks are handed out), so the patched ``allocate_slots`` also calls ``claim_blocks(n)``
@@ -111,9 +115,12 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
 
     def step_done(self, nonempty: bool) -> None:
         """``Scheduler.update_from_output`` is processing the oldest batch in flight: its
-        device work is done, so the pages emptied behind it may be unmapped."""
+        device work is done, so the pages emptied behind it may be unmapped. Then what the
+        memory gate wants back is shed (``shed``; a plain read when nothing is asked)."""
         if self.step_fence is not None:
             self.step_fence.step_done(nonempty)
+        if self.ledger.pages.shed_wanted():
+            self.shed()
 
     def close(self) -> None:
         """The engine shuts down: release the kvcore memory behind this pool (every page
@@ -242,17 +249,47 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         if num_blocks <= 0:
             return 0
         queue = self.free_block_queue
-        candidates: list[int] = []
-        node = queue.fake_free_list_head.next_free_block
-        tail = queue.fake_free_list_tail
-        while node is not None and node is not tail:
-            candidates.append(node.block_id)
-            node = node.next_free_block
-        victims = [self.blocks[i] for i in self.ledger.eviction_order(candidates)[:num_blocks]]
+        victims = [
+            self.blocks[i] for i in self.ledger.eviction_order(self._queued_ids())[:num_blocks]
+        ]
         for block in victims:
             queue.remove(block)
         self._release(victims)
         return len(victims)
+
+    def shed(self) -> int:
+        """Give back what the memory gate asks for (``PageAllocator.shed_wanted()`` pages:
+        a limit lowered below use): evict the ref-count-0 cached blocks whose eviction
+        empties that many whole pages, least recently used first, and free them to the
+        ledger (their pages are unmapped once no batch in flight can touch them). Returns
+        the blocks evicted: 0 when nothing is asked, or when every cached block shares its
+        page with a block in use (those pages come back as their requests finish; vLLM
+        allocates from the cached blocks meanwhile, since the gate admits no new page).
+        Runs on the scheduler's thread: ``step_done``, or an idle engine core's wake-up."""
+        pages = self.ledger.pages.shed_wanted()
+        if pages <= 0 or not self.free_block_queue.num_free_blocks:
+            return 0
+        queue = self.free_block_queue
+        victims = [
+            self.blocks[i] for i in self.ledger.blocks_emptying_pages(self._queued_ids(), pages)
+        ]
+        for block in victims:
+            queue.remove(block)
+        self._release(victims)
+        if victims:
+            log.debug("kvcore: shed %d cached blocks (%d pages asked)", len(victims), pages)
+        return len(victims)
+
+    def _queued_ids(self) -> list[int]:
+        """The ref-count-0 cached block ids in vLLM's LRU order (queue front first)."""
+        queue = self.free_block_queue
+        ids: list[int] = []
+        node = queue.fake_free_list_head.next_free_block
+        tail = queue.fake_free_list_tail
+        while node is not None and node is not tail:
+            ids.append(node.block_id)
+            node = node.next_free_block
+        return ids
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Upstream's hash eviction; a ref-count-0 block it uncaches leaves the queue for the
