@@ -2,7 +2,8 @@
 
 ``nox --list`` shows every session with its one-line description. Engine sessions are
 generated from ``compat/matrix.toml``; no version list is written here. Every session runs on
-Python 3.11 (``PYTHON``); without a python3.11 on PATH a session fails, it is not skipped.
+Python 3.11 (``PYTHON``; ``tests-3.10`` on ``OLDEST_PYTHON``); without that interpreter on PATH
+a session fails, it is not skipped.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ nox.options.sessions = ["lint", "tests"]
 nox.options.error_on_missing_interpreters = True
 
 PYTHON = "3.11"
+OLDEST_PYTHON = "3.10"
+"""The oldest Python ``pyproject.toml`` admits (``requires-python``): ``tests-3.10`` runs the
+library's suite on it."""
 # The CPU build of torch; pip takes it from the local wheel directory where one exists.
 TORCH = "torch==2.13.0"
 MATRIX = load_matrix()
@@ -56,11 +60,30 @@ def tests(session: nox.Session) -> None:
     # tests/engines/ need an engine installed: their own sessions (test-<engine>-<v>) run them.
     session.run("pytest", *(session.posargs or ["-q", "--ignore=tests/engines"]), env=env)
     if not session.posargs:  # the full suite (CI) also proves every series still applies
+        session.notify(f"tests-{OLDEST_PYTHON}")
         session.notify("patches-check")
         for engine_session in SGLANG_TEST_SESSIONS:  # the real SGLang classes, three ways
             session.notify(engine_session)
         for engine_session in VLLM_TEST_SESSIONS:  # vLLM's tests/v1/core, three ways (~7 min)
             session.notify(engine_session)
+
+
+# The repository's own tooling (patchq, compat, this noxfile) needs Python 3.11 (tomllib);
+# the kvcore library does not, and its suite is what runs on the oldest Python.
+_TOOLING_TESTS = ("tests/compat", "tests/patchq", "tests/test_noxfile.py")
+
+
+@nox.session(name=f"tests-{OLDEST_PYTHON}", python=OLDEST_PYTHON)
+def tests_oldest_python(session: nox.Session) -> None:
+    """Run the kvcore library's CPU suite on Python 3.10, the oldest pyproject.toml admits."""
+    # PyPI has no CPU-only torch for this Python: this takes its CUDA build (about 4.6 GB of
+    # venv), which runs on a CPU as well; GPU tests skip as in `tests`.
+    session.install(TORCH)
+    session.install("-e", ".[test]")
+    ignored = [f"--ignore={path}" for path in ("tests/engines", *_TOOLING_TESTS)]
+    args = session.posargs or ["-q", *ignored]
+    session.run("pytest", *args, env={"PYTHONHASHSEED": "0"})
+    _prune_venv(session)
 
 
 # --- progress of the long phases (first run: ~22 min on 2 cores, most of it pip and vLLM's
@@ -177,6 +200,14 @@ PRUNE_ENV = "KVCORE_PRUNE_VENVS"
 """Set to 1 (``.ci/run`` does), an engine test session removes its venv when it ends."""
 
 
+def _prune_venv(session: nox.Session) -> None:
+    """Remove the session's venv when ``PRUNE_ENV`` says so: each engine venv is ~2.3 GB
+    (``tests-3.10``'s 4.6 GB) and CI starts from a clean clone anyway, so the peak disk
+    holds one of them instead of all nine."""
+    if os.environ.get(PRUNE_ENV) == "1":
+        shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+
+
 @dataclass(frozen=True)
 class _EngineTests:
     """What one engine's ``test-<engine>-<short>`` sessions run at each stage."""
@@ -227,10 +258,7 @@ class _EngineTests:
             else:
                 session.log(f"no patch series for {self.engine} {version}: upstream run only")
             self.finish(session, version, env, patched)
-            if os.environ.get(PRUNE_ENV) == "1":
-                # each engine venv is ~2.3 GB and CI starts from a clean clone anyway: keep
-                # the peak disk at one of them instead of all eight
-                shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+            _prune_venv(session)
 
         test_engine.__doc__ = self.doc.format(version=version)
         name = f"test-{self.engine}-{short}"
