@@ -599,6 +599,15 @@ class PageAllocator:
         has no ``overage``."""
         return self._shed
 
+    def take_shed(self) -> int:
+        """``shed_wanted()``, and no further ask until the next background round recounts:
+        for an engine that cannot choose which pages its eviction empties (SGLang's radix
+        tree evicts tokens), so that it answers one ask once instead of evicting again at
+        every iteration until a round sees what came back."""
+        with self._lock:
+            wanted, self._shed = self._shed, 0
+        return wanted
+
     def set_shed_listener(self, listener: Callable[[], None] | None) -> None:
         """Call ``listener()`` (no argument, no lock held, on the background thread or
         ``run_round``'s caller) after every round that leaves ``shed_wanted() > 0``: how an

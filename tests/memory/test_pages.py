@@ -203,6 +203,9 @@ def test_a_limit_lowered_below_use_asks_for_pages_back_and_a_lifted_one_admits_a
         pages.run_round()
         assert pages.shed_wanted() == 4 and woken == [4]  # the listener ran after the round
         assert pages.acquire(1) is None, "no growth over the limit: a miss, not an error"
+        assert pages.take_shed() == 4 and pages.shed_wanted() == 0, "taken: no ask till a round"
+        pages.run_round()
+        assert pages.shed_wanted() == 4, "the next round asks again for what is still over"
         pages.release(ids[:1])  # a page leaving use lowers the ask before the next round
         assert pages.shed_wanted() == 3
         pages.release(ids[1:3])

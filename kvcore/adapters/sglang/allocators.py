@@ -151,13 +151,15 @@ class _ElasticMixin:
         a tree attaches kvcore's eviction policy to it (``_attach_tree``); then the tree is
         evicted down to ``max_cached_tokens`` (``enforce_cache_bound``: on SGLang < 0.5.23,
         whose pre-allocation eviction never reaches the allocator, the bound holds at every
-        iteration start); last, where the ranks agree a physical budget
-        (``kvcore.parallel.agreement.AgreedLedger``), the agreed room is refreshed while the budget
-        binds (after the bound's eviction, so it counts the pages that freed)."""
+        iteration start) and by what a lowered limit asks back (``shed``); last, where the
+        ranks agree a physical budget (``kvcore.parallel.agreement.AgreedLedger``), the agreed
+        room is refreshed while the budget binds (after the evictions, so it counts the pages
+        that freed)."""
         if tree_cache is not None:
             if tree_cache is not getattr(self, "_kvcore_tree", None):
                 self._attach_tree(tree_cache)
             self.enforce_cache_bound(tree_cache)
+            self.shed(tree_cache)
         step = getattr(self.ledger, "step", None)
         if step is not None:
             step()
@@ -178,17 +180,33 @@ class _ElasticMixin:
         """Evict the prefix cache down to ``max_cached_tokens`` evictable tokens; returns the
         tokens evicted (0 without a bound or a sharing cache)."""
         bound = self.max_cached_tokens
-        if bound is None or tree_cache is None:
+        if bound is None or not _shares_prefixes(tree_cache):
             return 0
-        sharing = getattr(tree_cache, "supports_prefix_sharing", None)  # 0.5.23+
-        if not (sharing() if sharing is not None else not tree_cache.is_chunk_cache()):
+        return self._evict(tree_cache, tree_cache.evictable_size() - bound)
+
+    def shed(self, tree_cache: Any) -> int:
+        """Evict the prefix cache by what the memory gate asks back (a limit lowered below
+        use, ``kvctl limit``): ``PageAllocator.take_shed()`` pages' worth of tokens, once per
+        allocator round, in kvcore's page-aware order (leaves that empty a page first);
+        returns the tokens evicted. Only a rank that decides alone sheds: ranks that agree a
+        budget (TP > 1) must evict alike and their asks differ, so there a lowered limit
+        stops growth only. SGLang's scheduler iterates while idle too, so an idle instance
+        sheds as well."""
+        if getattr(self.ledger, "step", None) is not None or not _shares_prefixes(tree_cache):
             return 0
-        excess = tree_cache.evictable_size() - bound
-        if excess <= 0:
+        pages = self.ledger.pages
+        if not pages.shed_wanted():
+            return 0
+        tokens = pages.take_shed() * self.ledger.geometry.blocks_per_page * self.page_size
+        return self._evict(tree_cache, min(tokens, tree_cache.evictable_size()))
+
+    def _evict(self, tree_cache: Any, num_tokens: int) -> int:
+        """``tree_cache.evict`` of ``num_tokens`` (0: nothing); the tokens evicted."""
+        if num_tokens <= 0:
             return 0
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-        return int(tree_cache.evict(EvictParams(num_tokens=excess)).num_tokens_evicted)
+        return int(tree_cache.evict(EvictParams(num_tokens=num_tokens)).num_tokens_evicted)
 
     def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> bool | None:
         """SGLang's pre-allocation eviction (0.5.23+), after first enforcing the cache bound.
@@ -465,6 +483,15 @@ def _decode_new_pages(seq_lens_cpu: torch.Tensor, ps: int) -> int:
         return int((seq_lens_cpu.numpy() % ps == 1).sum())
     seq: list[int] = seq_lens_cpu.tolist()
     return sum(n % ps == 1 for n in seq)
+
+
+def _shares_prefixes(tree_cache: Any) -> bool:
+    """Whether ``tree_cache`` is a prefix cache whose evictable tokens ``evict`` can free
+    (not a chunk cache, and not absent)."""
+    if tree_cache is None:
+        return False
+    sharing = getattr(tree_cache, "supports_prefix_sharing", None)  # 0.5.23+
+    return bool(sharing() if sharing is not None else not tree_cache.is_chunk_cache())
 
 
 def _is_hybrid_linear(kvcache: Any) -> bool:

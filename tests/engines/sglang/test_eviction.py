@@ -211,6 +211,33 @@ def test_the_cached_token_bound_holds_at_every_iteration(make: Any, tree_of: Any
     assert tree.evictable_size() <= 128
 
 
+@pytest.mark.parametrize("tree_of", TREES.values(), ids=TREES.keys())
+def test_a_lowered_limit_sheds_page_aware_once_and_a_lifted_one_grows(
+    make: Any, tree_of: Any
+) -> None:
+    """A limit lowered below use while serving (``kvctl limit``; here the instance's gate
+    is lowered in place): the scheduler's next iteration evicts B, the leaf that returns a
+    page, and nothing more at the iterations after it; lifting the limit admits growth at
+    once (kvcached's issue #498 is the opposite)."""
+    e, a, tree = _setup(make, tree_of, limit_bytes=1 << 30)
+    pages = e.manager.pages
+    gate = e.scope.gate.gate  # the instance's one gate (limit_bytes: a BudgetGate)
+    zero = gate.held - 3 * PAGE  # the zero page's charge
+    gate.limit = zero + 2 * PAGE
+    assert pages.flush() and pages.shed_wanted() == 1
+    a.kvcore_step(tree)
+    assert _cached(tree, 10_000, 256) == 0 and _cached(tree, 0, 128) == 128
+    # in use within the limit (a handle the mapper pools is idle memory, like a reserve:
+    # the per-GPU ledger's gate cuts it; this fixed-cap gate leaves it)
+    assert e.pages().in_use == 2 and gate.held - gate.reserve <= gate.limit
+    for _ in range(3):  # later iterations: answered once, nothing more goes
+        a.kvcore_step(tree)
+    assert _cached(tree, 0, 128) == 128 and pages.shed_wanted() == 0
+    assert a.alloc(512) is None, "no growth over the limit"
+    gate.limit = 1 << 30
+    assert a.alloc(512) is not None and e.pages().in_use == 4
+
+
 def test_the_engine_policy_keeps_sglangs_order(make: Any) -> None:
     e, a, tree = _setup(make, eviction="engine")
     a.kvcore_step(tree)
