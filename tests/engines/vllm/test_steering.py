@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import queue
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ from kvcore.adapters.vllm.idle import attach_engine_core
 from kvcore.adapters.vllm.pool import ElasticBlockPool
 from kvcore.budget.ledger import GpuLedger
 from kvcore.budget.ledger_file import InstanceRecord
-from kvcore.cli import kvctl
+from kvcore.cli import kvctl, kvtop
 from kvcore.vmm import open_backend
 
 DEVICE_BYTES = 64 << 20
@@ -73,6 +74,15 @@ class Instance:
     def kvctl(self, *argv: str) -> None:
         assert kvctl.main(["--dir", str(self.dir), *argv]) == kvctl.EXIT_OK
 
+    def kvtop_percent(self, capsys: pytest.CaptureFixture[str]) -> int:
+        """The share of its limit ``kvtop --once`` shows for this instance."""
+        capsys.readouterr()
+        assert kvtop.main(["--dir", str(self.dir), "--once"]) == kvtop.EXIT_OK
+        row = next(ln for ln in capsys.readouterr().out.splitlines() if self.name in ln)
+        found = re.search(r"(\d+)%", row)
+        assert found is not None, row
+        return int(found.group(1))
+
     def serve(self, prefix: int, count: int, blocks: int, limit: int | None = None) -> int:
         """``count`` requests of distinct ``blocks``-block prompts, run to the end; asserts
         every one finished and, with ``limit``, that the record never held more. Returns
@@ -104,7 +114,7 @@ class Instance:
 
 
 def test_a_lowered_limit_sheds_cached_blocks_keeps_serving_and_lifting_it_grows_again(
-    tmp_path: Path,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     inst = Instance(tmp_path, 32 * BPP)
     pages = inst.pool.ledger.pages
@@ -119,12 +129,14 @@ def test_a_lowered_limit_sheds_cached_blocks_keeps_serving_and_lifting_it_grows_
         rec = inst.settle()
         assert rec.over_limit or rec.mapped > limit
         assert pages.shed_wanted() == 11  # 19 pages in use, 8 allowed
+        assert inst.kvtop_percent(capsys) > 100  # kvtop shows it over its limit
         # the next step sheds: whole pages of cached blocks, least recently used first
         inst.serve(2, 1, 1)
         rec = inst.settle()
         assert rec.mapped <= limit and pages.shed_wanted() == 0
         assert inst.pool.num_cached_free_blocks() <= 8 * BPP - 1  # beside the null block
         assert not rec.over_limit
+        assert inst.kvtop_percent(capsys) <= 100
 
         # under the limit it keeps serving: 8 requests of 3 pages wait their turn, all finish
         waited = inst.serve(3, 8, 3 * BPP, limit=limit)
