@@ -596,8 +596,8 @@ class PageAllocator:
         (every ``poll_interval`` at least) and lowered by every ``release`` in between, so
         an engine that asks every step never sheds the same overage twice. A plain read
         (no lock, no gate call): cheap enough for every engine step. 0 with a gate that
-        has no ``overage``."""
-        return self._shed
+        has no ``overage``, and once closed."""
+        return 0 if self._closed else self._shed
 
     def take_shed(self) -> int:
         """``shed_wanted()``, and no further ask until the next background round recounts:
@@ -606,7 +606,7 @@ class PageAllocator:
         every iteration until a round sees what came back."""
         with self._lock:
             wanted, self._shed = self._shed, 0
-        return wanted
+        return 0 if self._closed else wanted
 
     def set_shed_listener(self, listener: Callable[[], None] | None) -> None:
         """Call ``listener()`` (no argument, no lock held, on the background thread or
@@ -1200,7 +1200,7 @@ class PageAllocator:
             self._rounds += 1
             self._settled.notify_all()
         listener = self._shed_listener
-        if listener is not None and self._shed:
+        if listener is not None and self.shed_wanted():
             try:
                 listener()
             except Exception:  # the engine's business: the allocator goes on

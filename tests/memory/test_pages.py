@@ -221,6 +221,11 @@ def test_a_limit_lowered_below_use_asks_for_pages_back_and_a_lifted_one_admits_a
         more = pages.acquire(4)
         assert more is not None and pages.flush()
         assert pages.stats().in_use == 6 and gate.held == 6 * pb and pages.shed_wanted() == 0
+        gate.limit = pb
+        pages.run_round()
+        assert pages.shed_wanted() == 5
+        pages.close()
+        assert pages.shed_wanted() == pages.take_shed() == 0, "a closed allocator asks nothing"
     finally:
         stack.close()
 
