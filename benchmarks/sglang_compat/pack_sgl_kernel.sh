@@ -4,10 +4,13 @@
 # version through importlib.metadata). Left out: flash_ops (FA3, 1.1 GB), flashmla_ops,
 # infllm_ops, spatial_ops (all loaded lazily, and not by a dense model) and sm100/.
 #
-#   bash pack_sgl_kernel.sh OUT.tar.xz [WHEEL]
-# WHEEL defaults to a fresh `pip download --no-deps sglang-kernel==0.4.10` into /tmp/sglc-wheels.
+#   bash pack_sgl_kernel.sh [--no-binary] OUT.tar.xz [WHEEL]
+# --no-binary leaves common_ops.abi3.so out too: the Python files and dist-info only, for
+# standin/common_ops.py (torch ops in its place; see its docstring). WHEEL defaults to a fresh `pip download --no-deps sglang-kernel==0.4.10` into /tmp/sglc-wheels.
 # On the device: mkdir -p /tmp/sk && tar -xJf OUT.tar.xz -C /tmp/sk && export PYTHONPATH=/tmp/sk
 set -euo pipefail
+BINARY=1
+if [[ "${1:-}" == "--no-binary" ]]; then BINARY=0; shift; fi
 OUT="$1"; WHEEL="${2:-}"
 if [[ -z "$WHEEL" ]]; then
   mkdir -p /tmp/sglc-wheels
@@ -19,7 +22,8 @@ if [[ -z "$WHEEL" ]]; then
 fi
 T="$(mktemp -d /tmp/sglc-pack.XXXXXX)"; trap 'rm -rf "$T"' EXIT
 # (unzip's * also matches '/', so this takes the subpackages' .py files too)
-(cd "$T" && unzip -q "$WHEEL" 'sgl_kernel/*.py' 'sgl_kernel/sm90/common_ops.abi3.so' \
-   'sglang_kernel-0.4.10.dist-info/*')
+MEMBERS=('sgl_kernel/*.py' 'sglang_kernel-0.4.10.dist-info/*')
+if [[ $BINARY == 1 ]]; then MEMBERS+=('sgl_kernel/sm90/common_ops.abi3.so'); fi
+(cd "$T" && unzip -q "$WHEEL" "${MEMBERS[@]}")
 (cd "$T" && tar -cf - sgl_kernel sglang_kernel-0.4.10.dist-info) | xz -9 -T2 > "$OUT"
 ls -l "$OUT"
