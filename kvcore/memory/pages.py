@@ -1167,7 +1167,9 @@ class PageAllocator:
             # the pool goes first when the gate cuts the idle memory, and all of it on trim()
             trim_asked, self._trim_pool = self._trim_pool, False
             pool_keep = 0 if trim_asked else allowed - self._reserve_cap
-            drop_pool = allowed < wanted
+            # over its limit, the instance keeps no idle handle: the ones this round's
+            # unmaps pool go back in the same round, not one poll interval later
+            drop_pool = allowed < wanted or over > 0
             unmaps, maps = self._plan_locked()
         if maps:
             if self._map(maps, refill=True):

@@ -230,6 +230,24 @@ def test_a_limit_lowered_below_use_asks_for_pages_back_and_a_lifted_one_admits_a
         stack.close()
 
 
+def test_over_its_limit_an_allocator_keeps_no_pooled_handle(backend: str) -> None:
+    gate = BudgetGate(limit=1 << 40)
+    stack = build_stack(backend, gate=gate, pool_pages=4, background=False)
+    pages, pb = stack.pages, stack.pages.page_bytes
+    try:
+        ids = pages.acquire(6)
+        assert ids is not None and pages.flush()
+        pages.release(ids[:2])
+        assert pages.flush() and pages.stats().pooled > 0, "within the limit: handles pooled"
+        gate.limit = 2 * pb
+        pages.release(ids[2:5])
+        pages.run_round()  # the round that unmaps them also drops what its unmaps pooled
+        st = pages.stats()
+        assert (st.in_use, st.pooled, gate.held) == (1, 0, pb)
+    finally:
+        stack.close()
+
+
 def test_a_raising_shed_listener_is_logged_and_the_allocator_goes_on(
     backend: str, caplog: pytest.LogCaptureFixture
 ) -> None:
