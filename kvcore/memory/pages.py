@@ -32,10 +32,10 @@ does ``acquire`` map on the calling thread.
 
 Background rounds. The background thread's work comes in *rounds*: read the gate's
 ``reserve_target`` (and ``overage``, where it has one), map a refill batch for the reserve,
-unmap the queued surplus, release pooled handles when asked to, report the idle memory to
-the gate. With ``background=False``
-no thread is started and ``run_round()`` runs one round on the calling thread (``flush()``
-runs them until nothing is left to do); everything else behaves the same. Every
+unmap the queued surplus, release pooled handles when asked to (and all of them while over
+the limit), report the idle memory to the gate. With ``background=False`` no thread is
+started and ``run_round()`` runs one round on the calling thread (``flush()`` runs them
+until nothing is left to do); everything else behaves the same. Every
 time-based decision (retry back-off, unmap back-off, the demand window) reads ``clock``
 (default ``time.monotonic``), so a caller (a test) that passes its own clock decides when
 a back-off has passed. The waits on other threads (the thread's idle sleep of at most
