@@ -14,7 +14,8 @@ buffer's allocation); what they call is here:
 * ``pool`` — ``ElasticBlockPool``, vLLM's own ``BlockPool`` over a kvcore ``BlockLedger``;
 * ``checks`` — which vLLM configurations elastic KV supports.
 
-Importing ``runtime`` does not import vLLM; ``pool`` and ``idle`` do (it subclasses vLLM's class).
+Importing ``runtime`` does not import vLLM; ``pool`` does (it subclasses vLLM's class), and
+``idle`` through it.
 Importing this package routes kvcore's log records through vLLM's ``vllm`` logger
 (``kvcore.adapters.engine_logging``), so they show in the engine's output.
 """

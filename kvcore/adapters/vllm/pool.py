@@ -248,14 +248,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         first (then LRU), and free them to the ledger. Returns how many were evicted."""
         if num_blocks <= 0:
             return 0
-        queue = self.free_block_queue
-        victims = [
-            self.blocks[i] for i in self.ledger.eviction_order(self._queued_ids())[:num_blocks]
-        ]
-        for block in victims:
-            queue.remove(block)
-        self._release(victims)
-        return len(victims)
+        return self._evict_queued(self.ledger.eviction_order(self._queued_ids())[:num_blocks])
 
     def shed(self) -> int:
         """Give back what the memory gate asks for (``PageAllocator.shed_wanted()`` pages:
@@ -269,15 +262,18 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         pages = self.ledger.pages.shed_wanted()
         if pages <= 0 or not self.free_block_queue.num_free_blocks:
             return 0
-        queue = self.free_block_queue
-        victims = [
-            self.blocks[i] for i in self.ledger.blocks_emptying_pages(self._queued_ids(), pages)
-        ]
+        evicted = self._evict_queued(self.ledger.blocks_emptying_pages(self._queued_ids(), pages))
+        if evicted:
+            log.debug("kvcore: shed %d cached blocks (%d pages asked)", evicted, pages)
+        return evicted
+
+    def _evict_queued(self, block_ids: list[int]) -> int:
+        """Take the queued (ref-count-0, cached) blocks ``block_ids`` out of the queue, evict
+        their hashes and free them to the ledger; returns how many."""
+        victims = [self.blocks[i] for i in block_ids]
         for block in victims:
-            queue.remove(block)
+            self.free_block_queue.remove(block)
         self._release(victims)
-        if victims:
-            log.debug("kvcore: shed %d cached blocks (%d pages asked)", len(victims), pages)
         return len(victims)
 
     def _queued_ids(self) -> list[int]:
