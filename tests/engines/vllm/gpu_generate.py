@@ -5,7 +5,9 @@ on a clean GPU and its shutdown is observable from outside). The prompt mix is s
 ids: short and long prompts, and a shared prefix whose later requests hit the prefix cache
 (a second wave, submitted once the first finished). While the engine serves, the driver's
 free memory is sampled every step (``torch.cuda.mem_get_info``: device-wide, so it sees the
-engine core process's mappings), and once the queue has drained.
+engine core process's mappings), and once the queue has drained. With ``--lower-limit``, the
+idle engine's limit is then lowered with ``kvctl limit`` (its cached blocks still mapped), and
+a third wave (the second's prompts) runs under it before the limit is lifted.
 
     python tests/engines/vllm/gpu_generate.py --model DIR [--elastic] [--kvcore-config JSON]
         [--enforce-eager] [--attention-backend TRITON_ATTN] [--max-num-seqs N] ...
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import threading
 import time
 from typing import Any
 
@@ -59,6 +62,14 @@ def main() -> None:
         default=0,
         help="after the first wave, wait until the gpu_ledger of --kvcore-config lists this "
         "many live instances holding memory, and report them",
+    )
+    parser.add_argument(
+        "--lower-limit",
+        type=float,
+        default=0.0,
+        help="after the second wave, kvctl-limit this (only) instance of the gpu_ledger of "
+        "--kvcore-config to this fraction of what it maps while idle, report how its memory "
+        "follows, serve the second wave again under the limit, then lift it",
     )
     args = parser.parse_args()
 
@@ -120,6 +131,7 @@ def main() -> None:
     run_wave(second, "b")
     time.sleep(1.0)
     samples.append((time.monotonic() - t0, "drained", free()))
+    steer = _steer(args, lambda: run_wave(second, "c"), free) if args.lower_limit else {}
     metrics = {}
     try:
         for m in llm.get_metrics():
@@ -139,6 +151,7 @@ def main() -> None:
         "samples": samples,
         "metrics": metrics,
         "peers": peers,
+        "steer": steer,
         "tokens": [outputs[r] for r in order],
     }
     print("KVCORE-REPORT " + json.dumps(report))
@@ -167,6 +180,59 @@ def _wait_for_peers(args: argparse.Namespace, timeout: float = 300.0) -> list[tu
             break
         time.sleep(0.5)
     return seen
+
+
+def _steer(args: argparse.Namespace, serve: Any, free: Any, timeout: float = 30.0) -> dict:
+    """Lower the limit of the one instance in the ledger of ``--kvcore-config`` to
+    ``--lower-limit`` of what it maps, with ``kvctl limit`` as a user would, while the engine
+    is idle; sample ``(seconds, mapped bytes, free device bytes)`` until it is within the
+    limit (or ``timeout``); then ``serve`` under the limit, sampling the peak, and lift it."""
+    from pathlib import Path
+
+    from kvcore.budget.ledger import GpuLedger
+    from kvcore.budget.ledger_file import list_ledgers
+    from kvcore.cli import kvctl
+
+    directory = Path(json.loads(args.kvcore_config)["ledger_dir"])
+    (path,) = list_ledgers(directory)
+    ledger = GpuLedger.open_path(path)
+    try:
+        (record,) = ledger.snapshot().records
+
+        def mapped() -> int:
+            found = ledger.snapshot().find(record.name)
+            return found.mapped if found is not None else -1
+
+        before = mapped()
+        limit = int(before * args.lower_limit)
+        ctl = ["--dir", str(directory), "limit", record.name]
+        t0 = time.monotonic()
+        rc = kvctl.main([*ctl, str(limit)])
+        shed: list[tuple[float, int, int]] = [(0.0, before, free())]
+        while time.monotonic() - t0 < timeout:
+            time.sleep(0.1)
+            shed.append((time.monotonic() - t0, mapped(), free()))
+            if 0 <= shed[-1][1] <= limit:
+                break
+        peak = [mapped()]
+        serve_done = threading.Event()
+
+        def sample() -> None:
+            while not serve_done.wait(0.02):
+                peak.append(mapped())
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            serve()
+        finally:
+            serve_done.set()
+            sampler.join()
+        lifted = kvctl.main([*ctl, "none"])
+        return {"rc": rc, "lifted_rc": lifted, "before": before, "limit": limit,
+                "shed": shed, "peak_under_limit": max(peak)}  # fmt: skip
+    finally:
+        ledger.close()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ tight ``limit_bytes`` that makes requests wait is compared under vLLM's batch-in
 (``VLLM_BATCH_INVARIANT=1`` on both sides), where a different batch composition cannot
 change a float. The driver's free memory must fall while KV fills, come back once requests
 finish, and all of it once the engine is gone, with the per-GPU ledger record removed; those
-engines run alone. Two elastic instances share the GPU through one per-GPU ledger. Marked
+engines run alone. Two elastic instances share the GPU through one per-GPU ledger. An idle
+engine whose limit ``kvctl`` lowers sheds its cached blocks down to it and serves under it. Marked
 ``gpu``: skipped without CUDA, or without the forked vLLM.
 """
 
@@ -260,3 +261,25 @@ def test_two_instances_share_the_gpu_through_one_ledger(tmp_path: Path) -> None:
             assert ledger.snapshot().records == ()
         finally:
             ledger.close()
+
+
+@pytest.mark.timeout(600)
+def test_an_idle_engine_sheds_to_a_lowered_limit_and_serves_under_it(tmp_path: Path) -> None:
+    """``kvctl limit`` lowered while the engine is idle with its prefix cache full: the
+    engine core process, woken by kvcore (patch 0010), frees cached blocks until its record
+    maps no more than the limit, the driver's free memory rises by what it gave back, the
+    prompts served again under the limit all finish within it, and lifting it succeeds."""
+    config = json.dumps({"gpu_ledger": True, "ledger_dir": str(tmp_path)})
+    on = generate("--enforce-eager", "--elastic", "--kvcore-config", config,
+                  "--lower-limit", "0.3")  # fmt: skip
+    steer = on["steer"]
+    assert steer["rc"] == 0 and steer["lifted_rc"] == 0
+    before, limit = steer["before"], steer["limit"]
+    assert before - limit >= 256 * MiB, f"only {before >> 20} MiB mapped while idle"
+    t, mapped, free = steer["shed"][-1]
+    assert 0 <= mapped <= limit, f"{mapped >> 20} MiB still mapped after {t:.1f} s"
+    given_back = free - steer["shed"][0][2]
+    assert given_back >= (before - mapped) - 64 * MiB, (given_back >> 20, (before - mapped) >> 20)
+    # the second wave again: 8 requests, all finished with their 48 tokens, within the limit
+    assert all(len(t) == 48 for t in on["tokens"][-8:])
+    assert steer["peak_under_limit"] <= limit, steer["peak_under_limit"] >> 20
