@@ -155,16 +155,27 @@ def _picked(report: Path) -> list[tuple[str, str, str]]:
 
 
 def _download(picked: list[tuple[str, str, str]], python: str, dest: Path) -> list[Path]:
+    """The wheel of every ``picked`` pin, downloading what ``dest`` lacks. ``dest`` is a cache
+    kept between runs, so it may hold wheels of an earlier resolution: only the pinned ones
+    are returned (two versions of one package in a bundle make pip refuse the install)."""
     dest.mkdir(parents=True, exist_ok=True)
-    have = {_norm(w.name.split("-")[0]) + "==" + w.name.split("-")[1] for w in dest.glob("*.whl")}
-    specs = [f"{n}=={v}" for n, v, _ in picked if f"{n}=={v}" not in have]
-    if not specs:
-        return sorted(dest.glob("*.whl"))
-    print(f"downloading {len(specs)} wheels ...", flush=True)
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-           *_pip_target_args(python), "-d", str(dest), *specs]  # fmt: skip
-    subprocess.run(cmd, check=True)
-    return sorted(dest.glob("*.whl"))
+
+    def cached() -> dict[str, Path]:
+        return {_norm(w.name.split("-")[0]) + "==" + w.name.split("-")[1]: w
+                for w in dest.glob("*.whl")}  # fmt: skip
+
+    wanted = [f"{n}=={v}" for n, v, _ in picked]
+    specs = [spec for spec in wanted if spec not in cached()]
+    if specs:
+        print(f"downloading {len(specs)} wheels ...", flush=True)
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+               *_pip_target_args(python), "-d", str(dest), *specs]  # fmt: skip
+        subprocess.run(cmd, check=True)
+    have = cached()
+    missing = [spec for spec in wanted if spec not in have]
+    if missing:
+        raise SystemExit(f"vllm_bundle: pip downloaded no wheel for {', '.join(missing)}")
+    return sorted(have[spec] for spec in wanted)
 
 
 def _xz(data: bytes) -> bytes:

@@ -49,3 +49,19 @@ def test_a_member_that_fits_is_not_split(tmp_path: Path) -> None:
     f = tmp_path / "models.tar.xz"
     f.write_bytes(b"x" * 1000)
     assert vllm_bundle.split_member(f, 1 << 20) == [f]
+
+
+def test_only_the_pinned_wheels_of_the_cache_are_bundled(tmp_path: Path) -> None:
+    """The wheel cache is kept between runs: a wheel of an earlier resolution (another
+    version of a pinned package) stays out of the bundle, where pip would refuse the pair."""
+    cache = tmp_path / "wheels"
+    cache.mkdir()
+    for name in ("anthropic-2.14.0-py3-none-any.whl", "anthropic-2.15.0-py3-none-any.whl",
+                 "Annotated_Types-0.8.0-py3-none-any.whl"):  # fmt: skip
+        (cache / name).write_bytes(b"")
+    picked = [("annotated-types", "0.8.0", "file:///a"), ("anthropic", "2.15.0", "file:///b")]
+    wheels = vllm_bundle._download(picked, "3.12", cache)  # all cached: pip is not run
+    assert [w.name for w in wheels] == [
+        "Annotated_Types-0.8.0-py3-none-any.whl",
+        "anthropic-2.15.0-py3-none-any.whl",
+    ]
