@@ -29,7 +29,11 @@ whole pages, least recently used first, until the pages asked for are on their w
 (``kvcore.adapters.vllm.idle``).
 
 ``get_num_free_blocks`` is an estimate (another process sharing the budget can take it before
-the blocks are handed out), so the patched ``allocate_slots`` also calls ``claim_blocks(n)``
+the blocks are handed out). vLLM asks it before every request's allocation, a few hundred
+times a step, and the ledger's figure reads the memory gate (under the per-GPU ledger, a
+locked read of the shared file), so the pool reads the ledger once and keeps the figure
+until the ledger changes through this pool or the next step begins: what other processes
+do meanwhile shows one step later. The patched ``allocate_slots`` also calls ``claim_blocks(n)``
 after its check: the blocks are backed (charged to the gate) before any is handed out, and a
 refusal is the same ``None``. ``get_new_blocks`` raises ``ElasticMiss`` (a ``ValueError``,
 as upstream raises for an over-ask) only when a caller skipped the claim and the budget ran
@@ -99,6 +103,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._on_close = on_close
         self._logical_count = False  # get_num_free_blocks ignores the physical budget
         self._claimed: list[int] = []  # ledger blocks backed by claim_blocks, not yet handed out
+        # ledger.available() as last read; None once the ledger changed or a step began
+        self._available: int | None = None
         # Every non-null block starts free in the ledger, none in the queue: rebuild the
         # queue empty (the blocks' links are the queue's, so clear them first).
         for block in self.blocks:
@@ -112,6 +118,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         any token): pages emptied from now on wait for it (``StepFence``)."""
         if self.step_fence is not None:
             self.step_fence.step_scheduled(nonempty)
+        self._available = None  # what other processes did since shows from this step on
 
     def step_done(self, nonempty: bool) -> None:
         """``Scheduler.update_from_output`` is processing the oldest batch in flight: its
@@ -119,6 +126,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         memory gate wants back is shed (``shed``; a plain read when nothing is asked)."""
         if self.step_fence is not None:
             self.step_fence.step_done(nonempty)
+        self._available = None  # the fence's retired blocks, and other processes
         if self.ledger.pages.shed_wanted():
             self.shed()
 
@@ -139,14 +147,14 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         ledger blocks until ``claimed + cached >= num_blocks``; ``False`` (a physical miss:
         the request waits or is preempted) when the memory gate refuses. Surplus parked by
         an earlier claim goes back first, so at most one allocation's worth stays parked."""
-        queued = self.num_cached_free_blocks()
+        queued = self.free_block_queue.num_free_blocks
         if self._claimed:
             surplus, self._claimed = self._claimed, []
-            self.ledger.free(surplus)
+            self._ledger_free(surplus)
         need = num_blocks - queued
         if need <= 0:
             return True
-        ids = self.ledger.alloc(need)
+        ids = self._ledger_alloc(need)
         if ids is None:
             return False
         self._claimed = ids
@@ -158,9 +166,12 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         ``ValueError`` when fewer are free (as upstream), ``ElasticMiss`` when the ledger
         could not back what it had counted and no cached block is left to reuse."""
         queued = self.free_block_queue.num_free_blocks
-        if num_blocks > self.ledger.available() + len(self._claimed) + queued:
-            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         claimed = self._claimed
+        covered = len(claimed) + queued  # what no gate read is needed for, then the ledger's
+        if num_blocks > covered + self.ledger.held_free() and (
+            num_blocks > covered + self.ledger.available()
+        ):
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         if claimed:
             ids = claimed[-num_blocks:]
             del claimed[-num_blocks:]
@@ -171,7 +182,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         rest = num_blocks - len(ids)
         if rest > queued:
             if ids:
-                self.ledger.free(ids)
+                self._ledger_free(ids)
             raise ElasticMiss(
                 f"elastic block pool: {num_blocks} blocks were counted free but only "
                 f"{len(ids) + queued} could be backed now",
@@ -197,14 +208,28 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
 
     def _take_from_ledger(self, num_blocks: int) -> list[int]:
         """As many of ``num_blocks`` as the ledger can back now (all-or-nothing calls,
-        halving on a miss)."""
+        halving on a miss). Blocks on pages the ledger holds need no gate read."""
+        if num_blocks <= self.ledger.held_free():
+            ids = self._ledger_alloc(num_blocks)
+            if ids is not None:
+                return ids
         want = min(num_blocks, self.ledger.available())
         while want > 0:
-            ids = self.ledger.alloc(want)
+            ids = self._ledger_alloc(want)
             if ids is not None:
                 return ids
             want //= 2
         return []
+
+    def _ledger_alloc(self, num_blocks: int) -> list[int] | None:
+        """``ledger.alloc``; the kept ``available()`` figure is read again next time."""
+        self._available = None
+        return self.ledger.alloc(num_blocks)
+
+    def _ledger_free(self, block_ids: list[int]) -> None:
+        """``ledger.free``; the kept ``available()`` figure is read again next time."""
+        self._available = None
+        self.ledger.free(block_ids)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference per block. At ref count 0 a block with a hash (or a reuse
@@ -231,7 +256,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             # reversed: the ledger pops what it got last first, so the block vLLM
             # ranked first for reuse (the request's tail) is reused first, like upstream
             dead.reverse()
-            self.ledger.free(dead)
+            self._ledger_free(dead)
         if cached:
             self.free_block_queue.append_n(cached)
         for pool, blocks in other_pools.items():
@@ -303,7 +328,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         for block in gone:
             self.free_block_queue.remove(block)
         if gone:
-            self.ledger.free([b.block_id for b in gone])
+            self._ledger_free([b.block_id for b in gone])
 
     def reset_prefix_cache(self) -> bool:
         """Upstream's reset (its "every block is free" check counts blocks logically, not
@@ -319,7 +344,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         for block in queued:
             block.prev_free_block = block.next_free_block = None
         if queued:
-            self.ledger.free([b.block_id for b in queued])
+            self._ledger_free([b.block_id for b in queued])
         return True
 
     def _release(self, blocks: list[KVCacheBlock]) -> None:
@@ -330,17 +355,22 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             self._notify_reuse(blocks)
         for block in blocks:
             self._maybe_evict_cached_block(block)
-        self.ledger.free([b.block_id for b in blocks])
+        self._ledger_free([b.block_id for b in blocks])
 
     # ---------------------------------------------------------------- accounting
 
     def get_num_free_blocks(self) -> int:
-        """Blocks vLLM may allocate now: the ledger's (logical and physical headroom) plus
-        the ref-count-0 cached blocks it would evict."""
+        """Blocks vLLM may allocate now: the ledger's (logical and physical headroom, as read
+        at most once between two changes, module docstring) plus the ref-count-0 cached
+        blocks it would evict."""
         if self._logical_count:
             free = int(self.num_gpu_blocks) - self.ledger.used() + len(self._claimed)
             return free + self.num_cached_free_blocks()
-        return self.ledger.available() + len(self._claimed) + self.num_cached_free_blocks()
+        available = self._available
+        if available is None:
+            available = self._available = self.ledger.available()
+        queued: int = self.free_block_queue.num_free_blocks
+        return available + len(self._claimed) + queued
 
     def num_cached_free_blocks(self) -> int:
         """Ref-count-0 blocks held for the prefix cache (evictable, still backed)."""

@@ -204,6 +204,89 @@ def test_a_given_gate_is_charged_and_bounds_the_scheduler() -> None:
     assert gate.closed
 
 
+class _CountingBudgetGate(BudgetGate):
+    """A budget gate that counts its headroom reads (the per-GPU ledger's take file locks)."""
+
+    reads = 0
+
+    def headroom(self) -> int | None:
+        self.reads += 1
+        return super().headroom()
+
+
+def test_the_free_block_count_reads_the_gate_once_per_change_and_stays_exact() -> None:
+    """vLLM asks ``get_num_free_blocks`` before every request's allocation. The pool reads
+    the gate again only after its own ledger changed or at a step hook, and the figure it
+    gives always equals a fresh read while nobody else changes the gate."""
+    gate = _CountingBudgetGate(4 * GRAN)  # the null block's page, a short page, 2 for requests
+    scheduler = make_scheduler(8 * BPP, gate=gate, max_num_seqs=16)
+    pool = pool_of(scheduler)
+    memory = memory_for(scheduler.kv_cache_config)
+    asked = stale = changes = 0
+    cached, alloc, free = pool.get_num_free_blocks, pool.ledger.alloc, pool.ledger.free
+
+    def checked() -> int:
+        nonlocal asked, stale
+        asked += 1
+        got = cached()
+        reads = gate.reads  # the check's own read is not the pool's
+        stale += got != pool.ledger.available() + len(pool._claimed) + pool.num_cached_free_blocks()
+        gate.reads = reads
+        return got
+
+    def counted(call: Any) -> Any:
+        def change(*args: Any, **kwargs: Any) -> Any:
+            nonlocal changes
+            changes += 1
+            return call(*args, **kwargs)
+
+        return change
+
+    pool.get_num_free_blocks = checked  # type: ignore[method-assign]
+    pool.ledger.alloc, pool.ledger.free = counted(alloc), counted(free)  # type: ignore[method-assign]
+    reqs = [make_request(f"c{i}", list(range(i * 100, i * 100 + 3 * BLOCK)), 12) for i in range(12)]
+    for r in reqs:
+        scheduler.add_request(r)
+    steps = reads = asks = 0
+    while scheduler.has_unfinished_requests():
+        assert steps < 300, "the requests never finished"
+        gate.reads = changes = 0
+        before = asked
+        step(scheduler)
+        steps += 1
+        # per ledger change: the ask after it, and get_new_blocks' own live checks (2)
+        assert gate.reads <= 2 + 3 * changes, (steps, gate.reads, changes, asked - before)
+        reads += gate.reads
+        asks += asked - before
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in reqs)
+    assert stale == 0, f"{stale} of {asked} answers differed from a fresh read"
+    assert reads < asks / 2, f"the gate was read {reads} times for {asks} asks"
+    memory.close()
+
+
+def test_a_budget_raised_by_another_process_is_seen_at_the_next_step() -> None:
+    """What changes the gate outside this pool (another instance, ``kvctl``) shows in the
+    free block count from the next step hook on, so waiting requests start then."""
+    gate = BudgetGate(3 * GRAN)  # 15 free blocks: one request of 8 at a time
+    scheduler = make_scheduler(9 * BPP, gate=gate, max_num_seqs=8)
+    pool = pool_of(scheduler)
+    memory = memory_for(scheduler.kv_cache_config)
+    reqs = [make_request(f"r{i}", list(range(i * 100, i * 100 + BPP * BLOCK)), 4) for i in range(4)]
+    for r in reqs:
+        scheduler.add_request(r)
+    step(scheduler)
+    assert len(scheduler.running) == 1 and len(scheduler.waiting) == 3
+    before = pool.get_num_free_blocks()
+    gate.limit = 8 * GRAN  # raised from outside: the pool is not told
+    assert pool.get_num_free_blocks() == before, "read once per step, not per call"
+    step(scheduler)
+    assert len(scheduler.running) == 4, "the raised budget admitted the waiting requests"
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in reqs)
+    memory.close()
+
+
 def test_a_gate_given_for_existing_memory_or_a_failed_start_is_refused() -> None:
     kv = KVCacheConfig(
         num_blocks=7 * BPP, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], SPEC)]
