@@ -17,6 +17,7 @@ from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -93,11 +94,18 @@ def make_scheduler(
     elastic: bool = True,
     gate: MemoryGate | None = None,
     spec: FullAttentionSpec = SPEC,
+    async_scheduling: bool = False,
 ) -> Scheduler:
     """The real vLLM scheduler over ``num_blocks`` blocks of ``spec`` (one KV group), with
     kvcore's elastic pool (``kvcore`` settings; default: ``host_settings()``) unless
-    ``elastic=False``."""
-    config = vllm_config(caching=caching, max_num_seqs=max_num_seqs, max_batched=max_batched)
+    ``elastic=False``; vLLM's ``AsyncScheduler`` with ``async_scheduling`` (the caller then
+    keeps two batches in flight, as the engine core does)."""
+    config = vllm_config(
+        caching=caching,
+        max_num_seqs=max_num_seqs,
+        max_batched=max_batched,
+        async_scheduling=async_scheduling,
+    )
     kv = kv_cache_config(num_blocks, spec)
     if elastic:
         kv.kvcore = kvcore if kvcore is not None else host_settings()
@@ -105,7 +113,8 @@ def make_scheduler(
     register_all_kvcache_specs(config)
     if gate is not None:  # the worker side first, as in an engine core: the pool shares it
         memory_for(kv, gate=gate)
-    return Scheduler(
+    cls = AsyncScheduler if async_scheduling else Scheduler
+    return cls(
         vllm_config=config,
         kv_cache_config=kv,
         block_size=BLOCK,
