@@ -115,11 +115,12 @@ class _PySpy:
     """``py-spy record`` of every process of one server (raw collapsed stacks in ``path``)
     from construction to ``stop()``."""
 
-    def __init__(self, server: Server, path: Path) -> None:
+    def __init__(self, server: Server, path: Path, extra: list[str]) -> None:
         self.path = path
         self.proc = subprocess.Popen(
             ["py-spy", "record", "--pid", str(server.proc.pid), "--subprocesses",
-             "--rate", "200", "--format", "raw", "--output", str(path), "--nonblocking"],
+             "--rate", "200", "--format", "raw", "--output", str(path), "--nonblocking",
+             *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )  # fmt: skip
         time.sleep(1.0)  # attach before the load starts
@@ -179,7 +180,11 @@ def run_model(model: str, args: Any, workdir: Path, results: list[dict[str, Any]
                     sampler.phase = f"{s.mode} rate={rate} round={r}"
                     spy = None
                     if args.py_spy and r == args.py_spy_round and rate == args.py_spy_rate:
-                        spy = _PySpy(s, args.out.parent / f"pyspy-{Path(model).name}-{s.mode}.txt")
+                        spy = _PySpy(
+                            s,
+                            args.out.parent / f"pyspy-{Path(model).name}-{s.mode}.txt",
+                            args.py_spy_args.split(),
+                        )
                     cpu0, count0 = cpu_seconds(s.proc.pid), s.metrics(COUNTERS)
                     got = _bench(model, s.port, rate, seed=r, args=args)
                     got["cpu_s"] = delta(cpu_seconds(s.proc.pid), cpu0)
@@ -254,6 +259,12 @@ def main() -> None:
     )
     parser.add_argument("--py-spy-round", type=int, default=1)
     parser.add_argument("--py-spy-rate", default="inf")
+    parser.add_argument(
+        "--py-spy-args",
+        default="",
+        help="more py-spy record options, written with '=': --py-spy-args='--idle' (threads "
+        "waiting on a lock or the GIL too), --py-spy-args='--idle --native' (C frames too)",
+    )
     args = parser.parse_args()
     # `timeout` and the device tool stop a run with SIGTERM: unwind, so the servers stop
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
