@@ -199,11 +199,14 @@ def run_model(model: str, args: Any, workdir: Path, results: list[dict[str, Any]
                           f"TPOT p50 {got['median_tpot_ms']:.2f} ms", flush=True)  # fmt: skip
                     time.sleep(2.0)
     finally:
+        # the series so far first: a call limit reached while the servers stop keeps it
+        result["memory"] = list(sampler.series)
+        result["start_s"] = {s.mode: s.start_s for s in servers}
+        _write(args, results)
         stop_all(servers)
         sampler.phase = "stopped"
         time.sleep(3.0)
         result["memory"] = sampler.close()
-        result["start_s"] = {s.mode: s.start_s for s in servers}
         result["logs"] = {s.mode: s.log_path.read_text(errors="replace")[-4000:] for s in servers}
         _write(args, results)
 
