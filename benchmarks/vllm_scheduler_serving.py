@@ -47,7 +47,7 @@ from typing import Any
 
 from benchmarks._provenance import commit, now
 from harness.vllm import write_hub
-from harness.vllm.scheduler import SPEC_64K, make_request, make_scheduler
+from harness.vllm.scheduler import SPEC_64K, make_request, make_scheduler, model_output
 
 PAGE = 2 << 20
 BLOCKS_PER_PAGE = PAGE // (64 << 10)
@@ -95,28 +95,15 @@ class _Driver:
         return self.pending is not None or self.scheduler.has_unfinished_requests()
 
     def step(self) -> None:
-        from vllm.v1.outputs import ModelRunnerOutput
-
         s = self.scheduler
         c0 = time.thread_time()
         new = s.schedule() if s.has_unfinished_requests() else None
         if new is not None:
             chunks = {r for r in new.num_scheduled_tokens if s.requests[r].is_prefill_chunk}
             new = (new, chunks)
-        if self.pending is not None:
+        if self.pending is not None:  # no token for a request still in its prefill
             out, chunks = self.pending
-            ids = list(out.num_scheduled_tokens)
-            s.update_from_output(
-                out,
-                ModelRunnerOutput(
-                    req_ids=ids,
-                    req_id_to_index={r: i for i, r in enumerate(ids)},
-                    sampled_token_ids=[[] if r in chunks else [7] for r in ids],
-                    logprobs=None,
-                    prompt_logprobs_dict={},
-                    pooler_output=[],
-                ),
-            )
+            s.update_from_output(out, model_output(out, lambda r: [] if r in chunks else [7]))
         self.pending = new
         self.times.append(time.thread_time() - c0)
 

@@ -10,6 +10,7 @@ scheduler's ``ModelConfig`` names ``facebook/opt-125m``, read from the hub cache
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -134,17 +135,24 @@ def make_request(rid: str, tokens: list[int], max_tokens: int = 1) -> Request:
     )
 
 
-def step(scheduler: Scheduler) -> Any:
-    """One scheduler step with a fake model output: one token per scheduled request."""
-    out = scheduler.schedule()
+def model_output(
+    out: Any, sampled: Callable[[str], list[int]] = lambda _: [7]
+) -> ModelRunnerOutput:
+    """A stand-in model's output for the batch ``out`` (a ``SchedulerOutput``): the tokens
+    ``sampled(request_id)`` for each scheduled request (default: token 7)."""
     ids = list(out.num_scheduled_tokens)
-    runner = ModelRunnerOutput(
+    return ModelRunnerOutput(
         req_ids=ids,
         req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[7] for _ in ids],
+        sampled_token_ids=[sampled(r) for r in ids],
         logprobs=None,
         prompt_logprobs_dict={},
         pooler_output=[],
     )
-    scheduler.update_from_output(out, runner)
+
+
+def step(scheduler: Scheduler) -> Any:
+    """One scheduler step with a fake model output: one token per scheduled request."""
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, model_output(out))
     return out

@@ -4,7 +4,7 @@ seam), the release fence under vLLM's own ``AsyncScheduler``, and elastic memory
 against vLLM's own ``request_memory``.
 
 The model runner is absent, as in vLLM's own scheduler tests: each step's
-``ModelRunnerOutput`` is built here (``test_elastic_scheduler.step`` does the same).
+``ModelRunnerOutput`` is a stand-in (``harness.vllm.scheduler.model_output``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,15 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import request_memory
 
-from harness.vllm.scheduler import BLOCK, BPP, SPEC, kv_cache_config, make_request, vllm_config
+from harness.vllm.scheduler import (
+    BLOCK,
+    BPP,
+    SPEC,
+    kv_cache_config,
+    make_request,
+    model_output,
+    vllm_config,
+)
 from kvcore.adapters.vllm.memory import ElasticKVMemory
 from kvcore.adapters.vllm.pool import ElasticBlockPool
 from kvcore.adapters.vllm.profiling import elastic_request_memory, plan_memory
@@ -99,15 +107,7 @@ def _stopping_request(rid: str, num_tokens: int) -> Request:
 
 def _output(out: SchedulerOutput, stop: frozenset[str] = frozenset()) -> ModelRunnerOutput:
     """Token 7 for every scheduled request; ``STOP`` for those in ``stop``."""
-    ids = list(out.num_scheduled_tokens)
-    return ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[STOP if r in stop else 7] for r in ids],
-        logprobs=None,
-        prompt_logprobs_dict={},
-        pooler_output=[],
-    )
+    return model_output(out, lambda r: [STOP if r in stop else 7])
 
 
 def _pool(scheduler: Scheduler) -> ElasticBlockPool:
