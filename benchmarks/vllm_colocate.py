@@ -929,6 +929,8 @@ class Run:
         self.plots: list[str] = []
         self.logs: dict[str, str] = {}
         self.log_flags: dict[str, dict[str, int]] = {}
+        self._stop_offsets: dict[str, int] = {}
+        """Each stopped server's log size in bytes when its stop began (``log_flags``)."""
         self._children: list[Any] = []
 
     # -- output --------------------------------------------------------------------------
@@ -1300,12 +1302,18 @@ class Run:
                 for repeat in range(plan.repeats):
                     self.plot(peak, repeat)
             self.logs = {s.label: s.log_tail() for s in self.servers}
-            self.log_flags = {s.label: log_flags(s.log_path) for s in self.servers}
+            self.log_flags = {
+                s.label: log_flags(s.log_path, self._stop_offsets.get(s.label))
+                for s in self.servers
+            }
             self.write_final()
 
     def _stop_servers(self, servers: Sequence[Server]) -> None:
         live = [s for s in servers if s.proc.poll() is None]
         if live:
+            for s in live:  # what the servers log while they stop is no finding of the run
+                with contextlib.suppress(OSError):
+                    self._stop_offsets.setdefault(s.label, s.log_path.stat().st_size)
             self.say("stopping " + ", ".join(s.label for s in live))
             stop_all(live)
             self.say("stopped")
@@ -1512,18 +1520,24 @@ def _on_sigterm(*_: Any) -> None:
     sys.exit(143)
 
 
-def log_flags(path: Path) -> dict[str, int]:
+def log_flags(path: Path, upto: int | None = None) -> dict[str, int]:
     """How many lines of a server log name an out-of-memory, a kvcore error or a Python
-    traceback (for the errors/OOM figure; the logs' tails are in the JSON)."""
+    traceback (for the errors/OOM figure; the logs' tails are in the JSON), in the log's
+    first ``upto`` bytes (None: all of it). ``Run`` passes the log's size when the
+    benchmark began stopping the server, so the errors a server prints because it is being
+    stopped (the API server's ``EngineDeadError`` once its engine core is gone) do not
+    count; a server that died by itself is not stopped and has its whole log read."""
     pats = {"oom": ("out of memory", "OutOfDeviceMemory", "OutOfMemoryError"),
             "kvcore_error": ("KvcoreError", "ElasticMiss", "PoolFailed", "LedgerError"),
             "traceback": ("Traceback (most recent call last)",)}  # fmt: skip
     got = dict.fromkeys(pats, 0)
-    with contextlib.suppress(OSError), path.open(errors="replace") as f:
-        for line in f:
-            for key, needles in pats.items():
-                if any(n in line for n in needles):
-                    got[key] += 1
+    data = b""
+    with contextlib.suppress(OSError), path.open("rb") as f:
+        data = f.read() if upto is None else f.read(max(0, upto))
+    for line in data.decode(errors="replace").splitlines():
+        for key, needles in pats.items():
+            if any(n in line for n in needles):
+                got[key] += 1
     return got
 
 

@@ -1,7 +1,8 @@
 """The GPU co-location benchmark's pure parts (``benchmarks/vllm_colocate.py``), on CPU:
 seeded traces have the promised shapes, rates and lengths; the figures are right on
 hand-made request records; ledger samples are read from a real per-GPU ledger; the KV plot
-is written. The benchmark itself needs vLLM and a GPU (``docs/colocation-gpu.md``)."""
+is written; a server log's flags count only what it printed before its stop. The benchmark
+itself needs vLLM and a GPU (``docs/colocation-gpu.md``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -19,12 +21,14 @@ from benchmarks.vllm_colocate import (
     GiB,
     MiB,
     RampSpec,
+    Run,
     Slo,
     SteadySpec,
     bursty_trace,
     compare,
     kv_panel,
     ledger_sample,
+    log_flags,
     meets,
     parse_args,
     parse_steer,
@@ -320,6 +324,53 @@ def test_parse_metrics_sums_labels_and_skips_comments() -> None:
                                "vllm:num_requests_running", "vllm:absent"])  # fmt: skip
     assert got == {"vllm:num_preemptions_total": 5.0, "vllm:kv_cache_usage_perc": 0.25,
                    "vllm:num_requests_running": 7.0}  # fmt: skip
+
+
+_RUN_LOG = (
+    "INFO  Started server process — ready\n"
+    "Traceback (most recent call last):\n"
+    '  File "worker.py", line 1, in step\n'
+    "torch.OutOfMemoryError: CUDA out of memory\n"
+)
+_STOP_LOG = (
+    "ERROR AsyncLLM output_handler failed.\n"
+    "Traceback (most recent call last):\n"
+    "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n"
+)
+
+
+def test_log_flags_counts_only_the_lines_before_upto(tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    log.write_bytes((_RUN_LOG + _STOP_LOG).encode())
+    stop = len(_RUN_LOG.encode())  # bytes, not characters: the log has a non-ASCII one
+    assert log_flags(log) == {"oom": 1, "kvcore_error": 0, "traceback": 2}  # the whole log
+    assert log_flags(log, stop) == {"oom": 1, "kvcore_error": 0, "traceback": 1}
+    assert log_flags(log, 0) == {"oom": 0, "kvcore_error": 0, "traceback": 0}
+    assert log_flags(tmp_path / "absent.log") == {"oom": 0, "kvcore_error": 0, "traceback": 0}
+
+
+def test_stopping_records_live_servers_log_sizes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def server(label: str, alive: bool) -> SimpleNamespace:
+        log = tmp_path / f"{label}.log"
+        log.write_bytes(_RUN_LOG.encode())
+        proc = SimpleNamespace(poll=lambda: None if alive else 1)
+        return SimpleNamespace(label=label, log_path=log, proc=proc)
+
+    servers = [server("live", True), server("died", False)]
+
+    def stop_all(live: list[SimpleNamespace]) -> None:  # the shutdown noise of a real stop
+        for s in live:
+            with s.log_path.open("ab") as f:
+                f.write(_STOP_LOG.encode())
+
+    monkeypatch.setattr("benchmarks.vllm_colocate.stop_all", stop_all)
+    run = SimpleNamespace(_stop_offsets={}, say=lambda text: None)
+    Run._stop_servers(run, servers)  # type: ignore[arg-type]
+    assert run._stop_offsets == {"live": len(_RUN_LOG.encode())}  # a dead one is read whole
+    got = log_flags(servers[0].log_path, run._stop_offsets.get("live"))
+    assert got["traceback"] == 1 and log_flags(servers[0].log_path)["traceback"] == 2
 
 
 def _samples() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
