@@ -21,7 +21,8 @@ stays warm). What goes in:
 
     python -m benchmarks.vllm_bundle --version 0.33.0 --out .vdev/0.33.0
 
-Needs ``tokenizers`` here (the model directories) and the registry (pip download).
+Needs ``tokenizers`` here (the model directories), pip and the registry (pip download);
+``LOCAL_MODULES`` are checked before any work starts.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from importlib.util import find_spec
 from pathlib import Path
 
 from benchmarks.offline_model import SHAPES, write_model_dir
@@ -87,6 +89,11 @@ SKIPPED = re.compile(
 
 TOOLS = ("py-spy==0.4.1",)
 """Carried beside vLLM's requirements: what the benchmarks run on the GPU machine."""
+
+LOCAL_MODULES = {"pip": "ensurepip --upgrade", "tokenizers": "pip install tokenizers"}
+"""The modules beside the standard library this script needs here, each with the
+``python -m`` arguments that install it: pip resolves and downloads the wheels,
+``tokenizers`` builds the model directories (the last step, minutes in)."""
 
 PLATFORMS = ("manylinux_2_34", "manylinux_2_31", "manylinux_2_28", "manylinux_2_27",
              "manylinux_2_26", "manylinux_2_24", "manylinux_2_17", "manylinux2014",
@@ -176,6 +183,11 @@ def _download(picked: list[tuple[str, str, str]], python: str, dest: Path) -> li
     if missing:
         raise SystemExit(f"vllm_bundle: pip downloaded no wheel for {', '.join(missing)}")
     return sorted(have[spec] for spec in wanted)
+
+
+def missing_modules() -> list[str]:
+    """The ``LOCAL_MODULES`` this Python cannot import (looked up, not imported)."""
+    return [name for name in LOCAL_MODULES if find_spec(name) is None]
 
 
 def _xz(data: bytes) -> bytes:
@@ -279,6 +291,10 @@ def main(argv: list[str] | None = None) -> None:
         "included; a larger file goes in pieces",
     )
     args = parser.parse_args(argv)
+    missing = missing_modules()
+    if missing:  # before the resolution and the downloads, not after them
+        install = " && ".join(f"{sys.executable} -m {LOCAL_MODULES[m]}" for m in missing)
+        parser.exit(2, f"vllm_bundle: no module named {', '.join(missing)}; install: {install}\n")
     wheel = args.wheel or max(
         (ROOT / "dist").glob(f"vllm-{args.version}+kvcore.*.whl"), key=lambda p: p.stat().st_mtime
     )
