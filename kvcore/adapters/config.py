@@ -25,6 +25,9 @@ class ElasticConfig:
     ``backend``: VMM backend name (``cuda``, ``hip``, ``host``); ``backend_options``: keyword
     arguments for it (``host``: ``device_bytes``, ``granularity``). ``limit_bytes``: the
     physical budget of this rank's KV cache (``None``: only the device limits it).
+    ``share_bytes`` (with ``gpu_ledger``): what this instance keeps while instances sharing
+    the GPU borrow beyond theirs (``None``: an equal part of the GPU budget;
+    ``kvcore.budget.shares``, ``kvctl share`` changes it while serving).
     ``reserve_min``/``reserve_max``: pre-mapped idle pages kept for bursts.
     ``max_cached_tokens``: bound on the radix cache's evictable tokens (``None``: unbounded,
     as upstream). ``eviction``: radix-cache eviction order, ``"page-aware"`` (leaves that empty
@@ -38,6 +41,7 @@ class ElasticConfig:
     backend: str = "cuda"
     backend_options: Mapping[str, Any] = field(default_factory=dict)
     limit_bytes: int | None = None
+    share_bytes: int | None = None
     gpu_ledger: bool = False
     ledger_dir: str | None = None
     reserve_min: int = 0
@@ -77,7 +81,7 @@ class ElasticConfig:
                 hint=f"known keys: {', '.join(known)}",
             )
         kwargs: dict[str, Any] = dict(value)
-        for name in ("limit_bytes", "max_cached_tokens", "page_bytes"):
+        for name in ("limit_bytes", "share_bytes", "max_cached_tokens", "page_bytes"):
             _check_int(kwargs, name, optional=True)
         for name in ("reserve_min", "reserve_max"):
             _check_int(kwargs, name, optional=False)
@@ -105,6 +109,12 @@ class ElasticConfig:
         if not isinstance(kwargs.get("ledger_dir") or "", str):
             raise UnsupportedConfiguration("--kvcore-config: ledger_dir must be a path string")
         config = cls(**kwargs)
+        if config.share_bytes is not None and not config.gpu_ledger:
+            raise UnsupportedConfiguration(
+                "--kvcore-config: share_bytes needs gpu_ledger (a share is kept against the "
+                "other instances in the GPU's ledger)",
+                hint='add "gpu_ledger": true, or drop share_bytes',
+            )
         if config.reserve_min > config.reserve_max:
             raise UnsupportedConfiguration(
                 f"--kvcore-config: reserve_min={config.reserve_min} exceeds "

@@ -5,8 +5,9 @@ TP x PP engine core, SGLang's KV pools and Mamba state), so the same options giv
 kind of gate everywhere:
 
 * ``gpu_ledger``: a record in the per-GPU ledger (``limit_bytes`` is the instance limit, 0
-  none), on ``backend``'s device (``LedgerGate``), or, for an engine core driving TP x PP
-  ranks over a channel, one record per rank on each rank's own device (``RankLedgerGates``);
+  none; ``share_bytes`` its share, none: an equal part of the budget), on ``backend``'s
+  device (``LedgerGate``), or, for an engine core driving TP x PP ranks over a channel,
+  one record per rank on each rank's own device (``RankLedgerGates``);
 * else ``limit_bytes``: a fixed byte budget of this process (``BudgetGate``);
 * else no limit but the device's (``UnlimitedGate``).
 """
@@ -47,6 +48,7 @@ def open_gate(
     if not config.gpu_ledger:
         return BudgetGate(config.limit_bytes) if config.limit_bytes is not None else UnlimitedGate()
     limit = config.limit_bytes or 0
+    share = config.share_bytes or 0
     directory = Path(config.ledger_dir) if config.ledger_dir else None
     if channel_dir is not None:
         from kvcore.budget.rank_gates import RankLedgerGates
@@ -58,6 +60,7 @@ def open_gate(
             engine=engine,
             engine_version=engine_version,
             limit=limit,
+            share=share,
             directory=directory,
         )
     if backend is None:
@@ -70,5 +73,6 @@ def open_gate(
         engine=engine,
         engine_version=engine_version,
         limit=limit,
+        share=share,
         directory=directory,
     )

@@ -10,10 +10,12 @@ instances hold. ``UnlimitedGate`` is the gate of a lone process with no ledger,
 Gate calls are made off the scheduler's hot path where possible (the reserve refill thread);
 ``try_acquire`` must be cheap and must never block for long.
 
-Two methods are optional beyond the protocol (the page allocator looks for them):
-``headroom()``, the bytes ``try_acquire`` would still admit, and ``overage()``, the bytes in
-use beyond a limit lowered below them (``kvctl limit``): what the engine is asked to give
-back by dropping cached KV.
+Methods optional beyond the protocol (the page allocator looks for them): ``headroom()``,
+the bytes ``try_acquire`` would still admit; ``overage()``, the bytes in use beyond a limit
+lowered below them (``kvctl limit``): what the engine is asked to give back by dropping
+cached KV; ``held_back()``, whether the instance maps more than it may hold now, so that
+idle pages it keeps mapped must not go back in use; ``note_wanted(n)``, the engine was
+``n`` bytes short (the per-GPU ledger's shares, ``kvcore.budget.shares``).
 """
 
 from __future__ import annotations
@@ -79,6 +81,11 @@ class UnlimitedGate:
         shed that much cached KV (``PageAllocator.shed_wanted``)."""
         return 0
 
+    def held_back(self) -> bool:
+        """Whether more is held than the gate allows now: never here. Optional beyond the
+        ``MemoryGate`` protocol: the page allocator then puts no idle page back in use."""
+        return False
+
 
 class BudgetGate(UnlimitedGate):
     """A fixed byte budget for one process (tests, benchmarks, a lone engine with a cap)."""
@@ -95,6 +102,11 @@ class BudgetGate(UnlimitedGate):
         """Bytes in use beyond ``limit`` (a caller may lower ``limit`` below what is held)."""
         with self._lock:
             return max(self.held - self.reserve - self.limit, 0)
+
+    def held_back(self) -> bool:
+        """Whether more is held than ``limit`` (a caller may lower it below what is held)."""
+        with self._lock:
+            return self.held > self.limit
 
     def try_acquire(self, nbytes: int) -> bool:
         with self._lock:

@@ -2,7 +2,7 @@
 
 ``GpuLedger`` is an open ledger file (``kvcore.budget.ledger_file`` has the file itself:
 where it lives, its layout, creation, validation and locking). It offers the control
-plane's API (``snapshot``, ``reclaim_stale``, ``set_limit``, ``set_budget``,
+plane's API (``snapshot``, ``reclaim_stale``, ``set_limit``, ``set_share``, ``set_budget``,
 ``request_trim``: ``kvctl``, ``kvtop``, the metrics exporter) and the instance side's
 (``register``, ``unregister``, ``lock_record``: ``kvcore.budget.ledger_gate.LedgerGate``,
 the ``MemoryGate`` a page allocator charges).
@@ -370,6 +370,22 @@ class GpuLedger:
             after = read_record(buf, before.slot)
         return before, after
 
+    def set_share(self, name: str, share: int) -> tuple[InstanceRecord, InstanceRecord]:
+        """Set instance ``name``'s share to ``share`` bytes (0: an equal part of the GPU
+        budget); returns the record before and after. The share is what the instance keeps
+        while others below their own share wait: above it, it yields them what it frees
+        (``kvcore.budget.shares``). A share above what the instance maps is applied as it
+        grows; shares summing to more than the budget cannot all be honoured at once.
+        Raises ``UnknownInstance``."""
+        _check_bytes("share", share)
+        with self.locked(exclusive=True) as buf:
+            self._reclaim_locked(buf)
+            before = self._find_locked(buf, name)
+            RECORD.put(buf, record_offset(before.slot), "share", share)
+            bump_generation(buf)
+            after = read_record(buf, before.slot)
+        return before, after
+
     def set_budget(self, budget: int, *, if_revision: int | None = None) -> int:
         """Set the GPU-wide budget in bytes (0: the device total); returns the new budget
         revision. Lowering below current use is deferred like a limit. Raises
@@ -433,15 +449,18 @@ class GpuLedger:
         model: str = "",
         device: int = 0,
         limit: int = 0,
+        share: int = 0,
     ) -> Registration:
         """Add a record for instance ``name`` of this process (``LedgerGate`` calls it when
         it opens), reclaiming stale records first; waits patiently for a held lock (an
-        instance starting). ``limit`` is bytes (0: none). Returns the record's
+        instance starting). ``limit`` is bytes (0: none); ``share`` bytes (0: an equal part
+        of the budget, ``kvcore.budget.shares``). Returns the record's
         ``Registration``; ``unregister`` removes it. Raises ``LedgerError`` when the name
         is not usable or taken by a live instance, a text is too long for its field, the
-        limit is out of range, or the ledger is full; ``LedgerBusy`` when the lock stays
-        held past ``ledger_file.REGISTER_LOCK_WAIT_S``."""
+        limit or share is out of range, or the ledger is full; ``LedgerBusy`` when the lock
+        stays held past ``ledger_file.REGISTER_LOCK_WAIT_S``."""
         _check_bytes("limit", limit)
+        _check_bytes("share", share)
         if not _NAME_RE.match(name):
             raise LedgerError(
                 f"instance name {name!r} is not usable",
@@ -494,6 +513,8 @@ class GpuLedger:
                 "trim_until": 0.0,
                 "registered": now,
                 "updated": now,
+                "share": share,
+                "wanted_until": 0.0,
                 **encoded,
             }
             clear_record(buf, free_slot)

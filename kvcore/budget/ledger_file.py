@@ -11,11 +11,13 @@ File layout (little-endian, fixed size, version ``LAYOUT_VERSION``)::
 
     header (256 bytes)  magic "KVCLEDGR", layout version, header/record size, capacity,
                         device uuid and total bytes, GPU-wide budget + its revision,
-                        sum of mapped bytes, change generation, last seen device free bytes
+                        sum of mapped bytes, change generation, last seen device free bytes,
+                        the latest time until which an instance below its share waits
     records (64 x 384)  one slot per instance: state, pid + process start time + pid
                         namespace, a random token, engine + version, instance name, model,
                         device ordinal, limit + limit revision, mapped bytes, reserve bytes,
-                        trim deadline, refusal count, registration and last update times
+                        trim deadline, refusal count, registration and last update times,
+                        share (0: an equal share of the budget), until when it waits
 
 Invariants every writer keeps (under the exclusive lock): the header's ``total_mapped`` is
 the sum of the active records' ``mapped``; every change a reader may care about bumps
@@ -70,7 +72,9 @@ FILE_PREFIX = "kvcore-gpu-"
 FILE_SUFFIX = ".ledger"
 
 MAGIC = b"KVCLEDGR"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
+"""1: no shares. 2: records carry ``share`` and ``wanted_until``, the header
+``wanted_until`` (``kvcore.budget.shares``)."""
 CAPACITY = 64
 """Instance slots per GPU ledger."""
 MAX_BYTES = 1 << 56
@@ -159,6 +163,7 @@ HEADER = Layout(
         ("device_free", "Q"),
         ("device_free_time", "d"),
         ("device_uuid", f"{_UUID_BYTES}s"),
+        ("wanted_until", "d"),
     ],
     _HEADER_SIZE,
 )
@@ -185,6 +190,8 @@ RECORD = Layout(
         ("engine_version", "32s"),
         ("name", "64s"),
         ("model", "128s"),
+        ("share", "Q"),
+        ("wanted_until", "d"),
     ],
     _RECORD_SIZE,
 )
@@ -205,6 +212,10 @@ class Flag(enum.IntFlag):
     OVER_LIMIT = 1
     """The limit was lowered below the instance's use; it gets no new memory until use
     falls under the limit (deferred lowering)."""
+    YIELDING = 2
+    """The instance holds more than its share while another one below its share waits:
+    it gets no new memory beyond its share until the other stops waiting
+    (``kvcore.budget.shares``)."""
 
 
 class Liveness(enum.Enum):
@@ -240,6 +251,14 @@ class InstanceRecord:
     trim_until: float
     registered: float
     updated: float
+    share: int = 0
+    """Bytes guaranteed to this instance while others borrow (``kvctl share``); 0 means an
+    equal share of the GPU budget (``kvcore.budget.shares``)."""
+    wanted_until: float = 0.0
+    """Wall-clock time until which the instance counts as waiting for memory below its
+    share (0: never waited)."""
+    yielding: bool = False
+    """Refused memory beyond its share at its last request because another instance waits."""
     liveness: Liveness = Liveness.LIVE
 
     @property
@@ -251,6 +270,12 @@ class InstanceRecord:
     def trimming(self) -> bool:
         """A trim request still holds the instance's reserve at zero."""
         return self.trim_until > time.time()
+
+    @property
+    def waiting(self) -> bool:
+        """The instance asked for memory below its share within the last
+        ``kvcore.budget.shares.WANT_HOLD_S`` and was refused by the budget."""
+        return self.wanted_until > time.time()
 
 
 @dataclass(frozen=True)
@@ -343,6 +368,9 @@ def read_record(buf: mmap.mmap, slot: int) -> InstanceRecord:
         trim_until=v["trim_until"],
         registered=v["registered"],
         updated=v["updated"],
+        share=v["share"],
+        wanted_until=v["wanted_until"],
+        yielding=bool(v["flags"] & Flag.YIELDING),
     )
 
 
@@ -528,6 +556,7 @@ def create(path: Path, device_uuid: str, device_total: int) -> None:
             "device_free": 0,
             "device_free_time": 0.0,
             "device_uuid": uuid_raw,
+            "wanted_until": 0.0,
         }
         HEADER.all.pack_into(head, 0, *(values[n] for n in HEADER.names))
         os.write(fd, bytes(head) + bytes(FILE_SIZE - _HEADER_SIZE))

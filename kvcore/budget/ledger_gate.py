@@ -15,6 +15,12 @@ at most once per ``DEVICE_FREE_INTERVAL_S`` (from ``try_acquire`` and ``release`
 ledger that stays busy is logged at most once per ``BUSY_LOG_INTERVAL_S``. A test passes a
 fake ``clock`` (and ``wall_clock``, which the trim deadline is compared with) to drive
 these decisions without sleeping.
+
+Shares (``kvcore.budget.shares``). Beyond the limit and the budget, the gate enforces the
+instance's share while another instance below its own share waits: it marks this instance
+waiting when the budget refuses it below its share (and on ``note_wanted``), and while
+someone else waits it admits nothing beyond this instance's share (``try_acquire``,
+``headroom``, ``reserve_target``) and asks for the cached KV above it back (``overage``).
 """
 
 from __future__ import annotations
@@ -38,6 +44,14 @@ from kvcore.budget.ledger_file import (
     InstanceRecord,
     read_record,
     record_offset,
+)
+from kvcore.budget.shares import (
+    WANT_HOLD_S,
+    WANT_REFRESH_S,
+    Contention,
+    contention,
+    header_wanted_until,
+    mark_wanted,
 )
 from kvcore.errors import LedgerBusy, LedgerError
 
@@ -75,6 +89,11 @@ class LedgerGate:
       engine how much cached KV to drop. Never an error; a raised or removed limit admits
       memory again at once.
     * ``reserve_target(wanted)`` is 0 while a trim is requested (``kvctl trim``).
+    * Shares (module docstring): refused by the budget below its share, the instance is
+      marked waiting; while another instance waits, this one gets nothing beyond its share
+      (``try_acquire`` refuses, ``headroom`` and ``reserve_target`` stop at it) and
+      ``overage`` asks for the cached KV above it. ``note_wanted(n)`` marks the instance
+      waiting when its engine could not even ask (its free figure was short).
     * ``close`` removes the record (also done for it by the stale sweep if the process
       dies). Every method raises ``LedgerError`` if the record was removed under it.
     * Lock contention is never an error here: when another process holds the ledger's lock
@@ -95,18 +114,20 @@ class LedgerGate:
         model: str = "",
         device: int = 0,
         limit: int = 0,
+        share: int = 0,
         mem_info: Callable[[], MemInfo] | None = None,
         on_change: Callable[[InstanceRecord], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         """Register instance ``name`` in ``ledger`` (``GpuLedger.register``). ``limit`` is
-        bytes (0: none); ``mem_info`` (the backend's) lets the gate publish the device's
-        free memory; ``on_change`` is called with a fresh record after each change
-        (metrics), and once more at ``close`` with nothing mapped. ``clock`` (seconds, only
-        differences matter) spaces the periodic work (module docstring); ``wall_clock``
-        (seconds since the epoch, as every process on the machine reads it) stamps the
-        record's ``updated`` and is what a trim deadline is compared with.
+        bytes (0: none), ``share`` bytes (0: an equal part of the budget); ``mem_info`` (the
+        backend's) lets the gate publish the device's free memory; ``on_change`` is called
+        with a fresh record after each change (metrics), and once more at ``close`` with
+        nothing mapped. ``clock`` (seconds, only differences matter) spaces the periodic
+        work (module docstring); ``wall_clock`` (seconds since the epoch, as every process
+        on the machine reads it) stamps the record's ``updated``, and is what a trim
+        deadline and the waiting marks of shares are compared with.
         Raises ``LedgerError`` if the name is taken by a live instance or the ledger is
         full, and as ``GpuLedger.register``."""
         self.ledger = ledger
@@ -118,6 +139,7 @@ class LedgerGate:
             model=model,
             device=device,
             limit=limit,
+            share=share,
         )
         self._slot = self._reg.slot
         self._unlock = ledger.unlock  # ends what ``_enter`` began
@@ -129,6 +151,7 @@ class LedgerGate:
         self._last_sweep = -math.inf  # clock readings of the last sweep, publication, log
         self._last_free = -math.inf
         self._last_busy_log = -math.inf
+        self._last_want = -math.inf  # clock reading of the last waiting mark
         self._owns_ledger = False
         self._pending_release = 0  # bytes released while the ledger was busy
         self._closed = False
@@ -143,6 +166,7 @@ class LedgerGate:
         engine_version: str = "",
         model: str = "",
         limit: int = 0,
+        share: int = 0,
         on_change: Callable[[InstanceRecord], None] | None = None,
         directory: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -164,6 +188,7 @@ class LedgerGate:
                 model=model,
                 device=backend.device,
                 limit=limit,
+                share=share,
                 mem_info=backend.mem_info,
                 on_change=on_change,
                 clock=clock,
@@ -204,16 +229,27 @@ class LedgerGate:
             return False
 
     def _try_acquire_once(self, nbytes: int) -> tuple[bool, bool]:
-        """(admitted, refused by the budget rather than the limit)."""
+        """(admitted, refused by the budget rather than the limit or a share)."""
         base = self._base
         buf = self._enter(exclusive=True)
         try:
             mapped, _, limit, total, budget, denied = self._figures(buf)
-            if (limit and mapped + nbytes > limit) or total + nbytes > budget:
+            by_limit = bool(limit and mapped + nbytes > limit)
+            if by_limit or total + nbytes > budget:
                 RECORD.put(buf, base, "denied", denied + 1)
                 if limit and mapped > limit:
                     RECORD.put(buf, base, "flags", int(Flag.OVER_LIMIT))
-                return False, not (limit and mapped + nbytes > limit)
+                if not by_limit:  # the budget refused: below its share, this one waits
+                    now = self._wall()
+                    if contention(buf, self._slot, budget, now).share > mapped:
+                        mark_wanted(buf, self._slot, now + WANT_HOLD_S)
+                        self._last_want = self._clock()
+                return False, not by_limit
+            waits = self._others_wait(buf, budget)
+            if waits is not None and mapped + nbytes > waits.share:  # stay at the share
+                RECORD.put(buf, base, "denied", denied + 1)
+                RECORD.put(buf, base, "flags", int(Flag.YIELDING))
+                return False, False
             RECORD.put(buf, base, "mapped", mapped + nbytes)
             RECORD.put(buf, base, "updated", self._wall())
             RECORD.put(buf, base, "flags", 0)
@@ -255,6 +291,10 @@ class LedgerGate:
             RECORD.put(buf, base, "updated", self._wall())
             if not limit or now_mapped <= limit:
                 RECORD.put(buf, base, "flags", 0)
+            if nbytes and RECORD.get_float(buf, base, "wanted_until"):
+                # giving memory back, it waits for none now: a later shortage marks again
+                RECORD.put(buf, base, "wanted_until", 0.0)
+                self._last_want = -math.inf
             _HDR_TOTAL.pack_into(buf, _HDR_TOTAL_OFF, max(0, total - nbytes), self._generation(buf))
             rec = read_record(buf, self._slot) if self._on_change else None
         finally:
@@ -294,12 +334,15 @@ class LedgerGate:
             if RECORD.get_float(buf, self._base, "trim_until") > self._wall():
                 return 0
             mapped, reserve, limit, total, budget, _ = self._figures(buf)
+            waits = self._others_wait(buf, budget)
         finally:
             self._unlock()
         in_use = max(0, mapped - reserve)
         room = budget - (total - mapped) - in_use
         if limit:
             room = min(room, limit - in_use)
+        if waits is not None:  # another instance waits: no idle memory beyond the share
+            room = min(room, waits.share - in_use)
         return max(0, min(wanted, room))
 
     def headroom(self) -> int:
@@ -313,17 +356,21 @@ class LedgerGate:
             return 0  # promise no room the ledger cannot confirm
         try:
             mapped, _, limit, total, budget, _ = self._figures(buf)
+            waits = self._others_wait(buf, budget)
         finally:
             self._unlock()
         room = budget - total
         if limit:
             room = min(room, limit - mapped)
+        if waits is not None:
+            room = min(room, waits.share - mapped)
         return max(0, room)
 
     def overage(self) -> int:
-        """Bytes this instance uses (mapped less its idle reserve) beyond its limit: what a
-        limit lowered below use (``kvctl limit``) asks it to give back; 0 without a limit,
-        within it, or while the ledger is busy. A lowered GPU budget asks nobody in
+        """Bytes this instance uses (mapped less its idle reserve) beyond its limit, or
+        beyond its share while another instance below its share waits: what a limit
+        lowered below use (``kvctl limit``) or a waiting neighbour asks it to give back; 0
+        otherwise, and while the ledger is busy. A lowered GPU budget asks nobody in
         particular: it only refuses new memory until the total falls under it. Beyond the
         ``MemoryGate`` protocol: the page allocator reads it once per background round.
         Raises ``LedgerError`` when the record was removed."""
@@ -332,12 +379,71 @@ class LedgerGate:
         except LedgerBusy:
             return 0  # shed nothing on a reading the ledger cannot confirm
         try:
-            mapped, reserve, limit, _, _, _ = self._figures(buf)
+            mapped, reserve, limit, _, budget, _ = self._figures(buf)
+            waits = self._others_wait(buf, budget)
         finally:
             self._unlock()
-        if not limit:
-            return 0
-        return max(0, mapped - reserve - limit)
+        over = mapped - reserve - limit if limit else 0
+        if waits is not None:
+            over = max(over, mapped - reserve - waits.share)
+        return max(0, over)
+
+    def held_back(self) -> bool:
+        """Whether this instance maps more than it may hold now: more than its limit, or
+        more than its share while another instance below its own share waits. The page
+        allocator then puts no idle page (reserve, queued for unmap) back in use: those
+        pages are on their way back to the driver. ``False`` while the ledger is busy.
+        Beyond the ``MemoryGate`` protocol. Raises ``LedgerError`` when the record was
+        removed."""
+        try:
+            buf = self._enter(exclusive=False)
+        except LedgerBusy:
+            return False  # hold nothing back on a reading the ledger cannot confirm
+        try:
+            mapped, _, limit, _, budget, _ = self._figures(buf)
+            if limit and mapped > limit:
+                return True
+            waits = self._others_wait(buf, budget)
+        finally:
+            self._unlock()
+        return waits is not None and mapped > waits.share
+
+    def note_wanted(self, nbytes: int) -> None:
+        """The engine could not get ``nbytes`` more it asked for (its free figure, which
+        includes this gate's headroom, was short): mark the instance waiting when the GPU
+        budget, not its own limit, is what stands in the way and it holds less than its
+        share (``kvcore.budget.shares``). At most once per ``WANT_REFRESH_S`` of ``clock``;
+        skipped while the ledger is busy. Beyond the ``MemoryGate`` protocol. Raises
+        ``LedgerError`` when the record was removed."""
+        now = self._clock()
+        if nbytes <= 0 or now - self._last_want < WANT_REFRESH_S:
+            return
+        self._last_want = now
+        try:
+            buf = self._enter(exclusive=True)
+        except LedgerBusy:
+            return  # the next shortage asks again
+        try:
+            mapped, _, limit, total, budget, _ = self._figures(buf)
+            if limit and mapped + nbytes > limit:
+                return  # its own limit: nobody else's memory would help
+            if total + nbytes <= budget:
+                return  # the budget has room: the shortage is not another instance's doing
+            wall = self._wall()
+            if contention(buf, self._slot, budget, wall).share > mapped:
+                mark_wanted(buf, self._slot, wall + WANT_HOLD_S)
+        finally:
+            self._unlock()
+
+    def _others_wait(self, buf: mmap.mmap, budget: int) -> Contention | None:
+        """This instance's share when another instance below its own share waits now;
+        ``None`` when nobody else waits (the common case: one header read, no scan).
+        Caller holds the lock."""
+        now = self._wall()
+        if header_wanted_until(buf) <= now:
+            return None
+        found = contention(buf, self._slot, budget, now)
+        return found if found.others_wait else None
 
     # -- the hot path: no context managers, one unpack for the record, one for the header --
 

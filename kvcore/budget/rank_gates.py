@@ -89,10 +89,12 @@ class RankLedgerGates:
         engine: str,
         engine_version: str = "",
         limit: int = 0,
+        share: int = 0,
         directory: Path | None = None,
     ) -> RankLedgerGates:
         """Register ``<name>-rank<r>`` for every rank in the ledger of its device (created
-        when absent), each with instance limit ``limit`` bytes (0: none). Raises
+        when absent), each with instance limit ``limit`` bytes (0: none) and share ``share``
+        bytes (0: an equal part of its GPU's budget). Raises
         ``ChannelError`` for a missing or malformed device file, ``LedgerError`` as
         ``LedgerGate``; what was registered is removed again on failure."""
         gates: list[LedgerGate] = []
@@ -110,6 +112,7 @@ class RankLedgerGates:
                         engine_version=engine_version,
                         device=device,
                         limit=limit,
+                        share=share,
                     )
                 )
         except BaseException:
@@ -157,6 +160,16 @@ class RankLedgerGates:
         """The most any rank's record uses beyond its limit (every rank holds the same
         pages, so shedding for the worst rank brings every rank under its limit)."""
         return max((gate.overage() for gate in self.gates), default=0)
+
+    def held_back(self) -> bool:
+        """Whether any rank's record holds more than it may (``LedgerGate.held_back``)."""
+        return any(gate.held_back() for gate in self.gates)
+
+    def note_wanted(self, nbytes: int) -> None:
+        """Tell every rank's record the engine was short of ``nbytes`` (each marks itself
+        waiting where its GPU's budget is what is short, ``LedgerGate.note_wanted``)."""
+        for gate in self.gates:
+            gate.note_wanted(nbytes)
 
     def close(self) -> None:
         """Remove every rank's record and close the ledgers. Idempotent; raises the first

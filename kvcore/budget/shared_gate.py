@@ -6,7 +6,7 @@ sliding-window sub-pool; a hybrid Mamba model: a KV pool and a Mamba state pool)
 instance's budget (``limit_bytes``, the per-GPU ledger's instance limit) must cover them all,
 so they draw on one gate: ``SharedGate`` opens the real gate once (the first joiner's
 ``make``) and hands each allocator a ``GateShare``. A share forwards ``try_acquire`` /
-``release`` / ``headroom`` / ``overage`` / ``reserve_target`` to the one gate;
+``release`` / ``headroom`` / ``overage`` / ``reserve_target`` / ``note_wanted`` to the one gate;
 ``report_reserve`` is per share (a page allocator reports its own reserve) and the gate sees
 the sum. The gate is
 closed when the last share closes.
@@ -118,6 +118,17 @@ class GateShare:
         over = getattr(self._gate(), "overage", None)
         value = over() if callable(over) else 0
         return value if isinstance(value, int) else 0
+
+    def held_back(self) -> bool:
+        """The shared gate's ``held_back`` (``False`` where the gate has no such figure)."""
+        held = getattr(self._gate(), "held_back", None)
+        return bool(held()) if callable(held) else False
+
+    def note_wanted(self, nbytes: int) -> None:
+        """Forwarded to the shared gate where it listens (``LedgerGate.note_wanted``)."""
+        note = getattr(self._gate(), "note_wanted", None)
+        if callable(note):
+            note(nbytes)
 
     def close(self) -> None:
         self._owner._leave(self._key)

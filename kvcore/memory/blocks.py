@@ -255,6 +255,19 @@ class BlockLedger:
             room -= self._bpp - self._capacity[short]
         return held_free + min(room, unheld)
 
+    def note_shortage(self, n: int) -> None:
+        """The engine needed ``n`` more blocks than ``available()`` offered. When the logical
+        capacity still has them (blocks on pages this ledger does not hold), what is short
+        is physical memory: the page allocator is told how many pages it lacks
+        (``PageAllocator.note_wanted``). A shortage of capacity itself says nothing. Any
+        thread; a snapshot read like ``available()``."""
+        if n <= 0:
+            return
+        unheld = self._num_blocks - self._used - self._held_free
+        if unheld <= 0:
+            return
+        self._pages.note_wanted(-(-min(n, unheld) // self._bpp))
+
     def used(self) -> int:
         """Allocated blocks, pinned ones included."""
         return self._used

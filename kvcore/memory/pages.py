@@ -281,6 +281,14 @@ class PageAllocator:
         self._headroom: Callable[[], int | None] | None = headroom if callable(headroom) else None
         overage = getattr(self._gate, "overage", None)  # optional beyond MemoryGate
         self._overage: Callable[[], int] | None = overage if callable(overage) else None
+        wants = getattr(self._gate, "note_wanted", None)  # optional beyond MemoryGate
+        held_back = getattr(self._gate, "held_back", None)  # optional beyond MemoryGate
+        self._held_back_fn: Callable[[], bool] | None = held_back if callable(held_back) else None
+        # the gate's held_back() as last read (available(), each round): while set, acquire
+        # puts no reserved or unmap-queued page back in use
+        self._held_back = False
+        self._reported_idle = 0  # idle bytes (reserve, pooled handles) last reported to the gate
+        self._note_wanted: Callable[[int], None] | None = wants if callable(wants) else None
         self._shed = 0  # in-use pages the gate wants back; refreshed by every round
         self._shed_listener: Callable[[], None] | None = None
         self._num_pages = num_pages
@@ -373,14 +381,17 @@ class PageAllocator:
         """Hand out ``n`` mapped page ids, now ``IN_USE``.
 
         Taken from the reserve first, then from pages waiting to be unmapped, then mapped
-        on this thread (after ``gate.try_acquire``). When that falls short while a
-        background round is mapping pages for the reserve or unmapping pages (whose bytes
-        then return to the gate), ``acquire`` waits for that mapper call and tries again,
-        so pages in flight never turn into a miss: without a budget it succeeds whenever
-        ``n`` unquarantined pages exist. Returns ``None`` on a physical miss (gate refused,
-        out of device memory, a rolled-back or quarantining map, too few unquarantined
-        pages) with every page it touched back where it was. Raises ``PoolFailed`` once the
-        allocator has failed.
+        on this thread (after ``gate.try_acquire``). While the gate holds the instance back
+        (``held_back()``, as ``available()`` or the last background round read it: over
+        its limit, or over its share while another instance waits), idle pages are not put
+        back in use: they go back to the driver, and only the gate can admit new ones.
+        When that falls short while a background round is mapping pages for the reserve or
+        unmapping pages (whose bytes then return to the gate), ``acquire`` waits for that
+        mapper call and tries again, so pages in flight never turn into a miss: without a
+        budget it succeeds whenever ``n`` unquarantined pages exist. Returns ``None`` on a
+        physical miss (gate refused, out of device memory, a rolled-back or quarantining
+        map, too few unquarantined pages) with every page it touched back where it was.
+        Raises ``PoolFailed`` once the allocator has failed.
         """
         if n <= 0:
             if n == 0:
@@ -404,6 +415,8 @@ class PageAllocator:
             reserve = self._reserve
             if n > self._demand and self._reserve_min:  # a larger burst: the target follows
                 self._note_demand_locked(n)
+            if self._held_back:  # over what the gate allows: idle pages go back, not in use
+                reserve = []
             if len(reserve) >= n:  # the hot path: no mapper or gate call
                 ids = reserve[-n:]
                 del reserve[-n:]
@@ -419,7 +432,7 @@ class PageAllocator:
             from_reserve = reserve[:]
             reserve.clear()
             self._move(from_reserve, _RESERVED, _IN_USE)
-            queue = self._unmap_queue
+            queue = self._unmap_queue if not self._held_back else []
             k = min(len(queue), n - len(from_reserve))
             reclaimed = queue[len(queue) - k :]
             del queue[len(queue) - k :]
@@ -587,6 +600,19 @@ class PageAllocator:
             self._wake.notify()
             return len(dropped)
 
+    def note_wanted(self, pages: int) -> None:
+        """The engine is ``pages`` pages short of what it asked for (its free figure,
+        ``available()``, did not cover a request): tell the gate, where it listens
+        (``note_wanted``, optional beyond ``MemoryGate``: the per-GPU ledger's gate marks
+        the instance waiting when the shared budget is what it lacks, so instances over
+        their share give way, ``kvcore.budget.shares``). Any thread; makes no mapper call.
+        Raises what the gate raises (``LedgerError`` when its record was removed)."""
+        if pages <= 0:
+            return
+        note = self._note_wanted
+        if note is not None:
+            note(pages * self._page_bytes)
+
     def shed_wanted(self) -> int:
         """Pages in use that the gate wants back now: its ``overage()`` (a limit lowered
         below use, ``kvctl limit``) in pages, less the pages already on their way out
@@ -707,12 +733,17 @@ class PageAllocator:
     def available(self) -> int:
         """Pages ``acquire`` could hand out now: in the reserve, queued for unmap, in a
         background mapper call (``acquire`` waits for those), and free pages the mapper's
-        pool or the gate would still admit (``gate.headroom()`` where the gate has one). An
+        pool or the gate would still admit (``gate.headroom()`` where the gate has one);
+        0 while the gate holds the instance back (``held_back()``, read here). An
         upper bound: the device itself may still run out. A snapshot read without the lock
         (engines ask before every allocation): a page a background round moves meanwhile
         may be missed or, once, counted twice. Raises ``PoolFailed`` once failed."""
         if self._failure is not None or self._closed:
             self._check_usable()
+        if self._held_back_fn is not None:
+            self._held_back = bool(self._held_back_fn())
+            if self._held_back:  # idle pages are on their way back; the gate admits none
+                return 0
         free = len(self._free)
         headroom = self._headroom
         if headroom is not None:
@@ -1161,7 +1192,9 @@ class PageAllocator:
         wanted = self._reserve_max + self._pooled  # idle pages: the reserve, then the pool
         allowed = max(self._gate.reserve_target(wanted * pb) // pb, 0)
         over = self._overage() if self._overage is not None else 0
+        held_back = self._held_back_fn() if self._held_back_fn is not None else False
         with self._lock:
+            self._held_back = held_back
             self._reserve_cap = min(allowed, self._reserve_max)
             self._shed = self._shed_count_locked(over)
             # the pool goes first when the gate cuts the idle memory, and all of it on trim()
@@ -1198,6 +1231,7 @@ class PageAllocator:
             reserve_bytes = (len(self._reserve) + self._pooled) * pb
             self._reserve_dirty = False
         self._gate.report_reserve(reserve_bytes)
+        self._reported_idle = reserve_bytes
         with self._lock:
             self._rounds += 1
             self._settled.notify_all()
@@ -1209,11 +1243,14 @@ class PageAllocator:
                 log.exception("kvcore: the shed listener raised")
 
     def _shed_count_locked(self, overage: int) -> int:
-        """``overage`` bytes as pages in use to shed, less the pages already leaving use."""
+        """``overage`` bytes as pages in use to shed, less the pages already leaving use and
+        the idle pages the gate has not been told of yet (it counts them as in use)."""
         if overage <= 0:
             return 0
         leaving = len(self._unmap_queue) + len(self._bg_unmaps)
         leaving += sum(len(pages) for pages in self._fenced.values())
+        idle = (len(self._reserve) + self._pooled) * self._page_bytes
+        leaving += max(0, idle - self._reported_idle) // self._page_bytes
         return max(0, -(-overage // self._page_bytes) - leaving)
 
     def _background_call_done_locked(self, *, maps: bool) -> None:

@@ -42,14 +42,6 @@ MiB = 1 << 20
 UUID = "GPU-test-0000"
 
 
-@pytest.fixture(autouse=True)
-def ledger_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Every test gets its own ledger directory (inherited by the processes it starts)."""
-    monkeypatch.setenv(ledger_file.DIR_ENV, str(tmp_path))
-    monkeypatch.delenv(ledger_file.GROUP_ENV, raising=False)
-    return tmp_path
-
-
 @pytest.fixture
 def ledger() -> Iterator[GpuLedger]:
     led = GpuLedger.open(UUID, device_total=1024 * MiB)

@@ -1,0 +1,148 @@
+"""Shares of the GPU budget: what an instance may borrow, and when it must give way.
+
+Instances sharing a GPU draw on one budget (``kvcore.budget.ledger``). Without a rule, the
+first instance under load maps the whole budget and keeps it for as long as its own requests
+keep arriving: a second instance that starts a burst later waits (or preempts) although the
+first holds far more than a static split would have given it. kvcore's rule is a guaranteed
+share with work-conserving borrowing:
+
+* every instance has a **share**: the bytes set for it (``kvctl share NAME SIZE``), else an
+  equal part of the GPU budget among the instances registered in the ledger
+  (``budget // instances``);
+* an instance may map beyond its share while nobody else wants that memory (an idle
+  neighbour's part is borrowed, which is the point of elastic KV);
+* an instance **below its share that the budget refuses** is *waiting*: its gate marks its
+  record (and the ledger header) ``wanted_until = now + WANT_HOLD_S``, and keeps renewing
+  that mark while it stays short (``LedgerGate.note_wanted``, at most every
+  ``WANT_REFRESH_S``, and every budget refusal);
+* while some other instance waits, an instance **over its share yields**: its gate admits
+  no page that takes it beyond its share (``try_acquire``, ``headroom``), keeps no idle
+  reserve beyond it (``reserve_target``) and asks its engine to shed cached KV down to it
+  (``overage``). Its pages in use come back as its requests finish; pages it frees are
+  unmapped, and the waiting instance maps them.
+
+An instance therefore gets at least ``min(what it asks for, its share)`` within about one
+request lifetime of the borrowers, and all the memory nobody else asks for. A mark expires
+``WANT_HOLD_S`` after the last refusal, so borrowing resumes by itself once the waiting
+instance has what it needs. An instance over its share never marks: among borrowers the
+first to map keeps what it holds.
+
+Cost: the hot path of a gate reads one more header field (``wanted_until``); the records are
+scanned (``contention``) only while some mark is live, i.e. only under contention.
+
+The functions here read and write a mapped ledger; the caller holds the file lock (shared
+to read, exclusive to write), as for every ``kvcore.budget.ledger_file`` accessor.
+"""
+
+from __future__ import annotations
+
+import mmap
+import time
+
+from kvcore.budget.ledger_file import (
+    CAPACITY,
+    HEADER,
+    RECORD,
+    InstanceRecord,
+    LedgerSnapshot,
+    State,
+    record_offset,
+)
+
+__all__ = [
+    "WANT_HOLD_S",
+    "WANT_REFRESH_S",
+    "Contention",
+    "contention",
+    "equal_share",
+    "header_wanted_until",
+    "mark_wanted",
+    "share_of",
+    "yields",
+]
+
+WANT_HOLD_S = 1.0
+"""How long (wall-clock seconds) one refusal keeps an instance marked as waiting."""
+WANT_REFRESH_S = 0.25
+"""A gate renews its waiting mark at most this often (``LedgerGate.note_wanted``)."""
+
+_STATE_OFF = RECORD.field["state"][0]
+_MAPPED_OFF = RECORD.field["mapped"][0]
+_TAIL_OFF, _TAIL = RECORD.span("share", "wanted_until")
+_HDR_WANTED_OFF, _HDR_WANTED = HEADER.field["wanted_until"]
+
+
+def equal_share(budget: int, instances: int) -> int:
+    """The share of an instance without one set: an equal part of ``budget``."""
+    return budget // max(1, instances)
+
+
+class Contention:
+    """What a gate needs to know about the other instances, read under the ledger lock:
+    ``share`` (this instance's, in bytes) and ``others_wait`` (another instance below its
+    share is marked waiting now)."""
+
+    __slots__ = ("others_wait", "share")
+
+    def __init__(self, share: int, others_wait: bool) -> None:
+        self.share = share
+        self.others_wait = others_wait
+
+
+def header_wanted_until(buf: mmap.mmap) -> float:
+    """The header's mark: the latest time until which some instance waits (0: never)."""
+    value: float = _HDR_WANTED.unpack_from(buf, _HDR_WANTED_OFF)[0]
+    return value
+
+
+def contention(buf: mmap.mmap, slot: int, budget: int, now: float) -> Contention:
+    """This instance's (``slot``) share, and whether another active instance below its own
+    share is marked waiting at wall-clock ``now``. Scans every record: call it only while
+    ``header_wanted_until(buf) > now`` (or on a refusal), under the lock."""
+    records: list[tuple[int, int, int, float]] = []  # slot, share setting, mapped, wanted
+    for s in range(CAPACITY):
+        base = record_offset(s)
+        if int.from_bytes(buf[base + _STATE_OFF : base + _STATE_OFF + 4], "little") != (
+            State.ACTIVE
+        ):
+            continue
+        mapped = int.from_bytes(buf[base + _MAPPED_OFF : base + _MAPPED_OFF + 8], "little")
+        share, wanted = _TAIL.unpack_from(buf, base + _TAIL_OFF)
+        records.append((s, share, mapped, wanted))
+    default = equal_share(budget, len(records))
+    mine = default
+    others_wait = False
+    for s, share, mapped, wanted in records:
+        own = share or default
+        if s == slot:
+            mine = own
+        elif wanted > now and mapped < own:
+            others_wait = True
+    return Contention(mine, others_wait)
+
+
+def share_of(snapshot: LedgerSnapshot, rec: InstanceRecord) -> int:
+    """``rec``'s share in ``snapshot``: the one set for it, else an equal part of the
+    budget among the snapshot's instances (what its gate enforces; ``kvctl``, ``kvtop``)."""
+    return rec.share or equal_share(snapshot.budget, len(snapshot.records))
+
+
+def yields(snapshot: LedgerSnapshot, rec: InstanceRecord, now: float | None = None) -> bool:
+    """Whether ``rec`` is held at its share now: it maps at least its share while another
+    instance below its own share waits (what its gate refuses memory for)."""
+    now = time.time() if now is None else now
+    if rec.mapped < share_of(snapshot, rec):
+        return False
+    return any(
+        o.slot != rec.slot and o.wanted_until > now and o.mapped < share_of(snapshot, o)
+        for o in snapshot.records
+    )
+
+
+def mark_wanted(buf: mmap.mmap, slot: int, until: float) -> None:
+    """Mark instance ``slot`` as waiting until wall-clock ``until``, in its record and in
+    the header (which keeps the latest mark of all). Caller holds the exclusive lock."""
+    base = record_offset(slot)
+    RECORD.put(buf, base, "wanted_until", until)
+    if header_wanted_until(buf) < until:
+        _HDR_WANTED.pack_into(buf, _HDR_WANTED_OFF, until)
