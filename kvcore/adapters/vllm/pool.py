@@ -26,7 +26,9 @@ request waits, or a running one is preempted) instead of failing (invariant 2).
 below use (``kvctl limit``; ``PageAllocator.shed_wanted``): it evicts the cached blocks of
 whole pages, least recently used first, until the pages asked for are on their way back.
 ``step_done`` sheds every step; an idle engine core is woken to shed
-(``kvcore.adapters.vllm.idle``).
+(``kvcore.adapters.vllm.idle``). When ``allocate_slots`` finds too few free blocks, the
+patched manager calls ``note_shortage``: a shortage of the shared GPU budget marks the
+instance as waiting (``kvcore.budget.shares``).
 
 ``get_num_free_blocks`` is an estimate (another process sharing the budget can take it before
 the blocks are handed out). vLLM asks it before every request's allocation, a few hundred
@@ -358,6 +360,16 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._ledger_free([b.block_id for b in blocks])
 
     # ---------------------------------------------------------------- accounting
+
+    def note_shortage(self, num_blocks: int) -> None:
+        """The patched ``KVCacheManager.allocate_slots`` found ``num_blocks`` fewer free
+        blocks than a request needed (it then returns ``None``: the request waits or a
+        running one is preempted). Where the physical budget rather than the logical
+        capacity is short, the instance is marked as waiting for memory, so instances
+        sharing the GPU beyond their share give way (``BlockLedger.note_shortage``,
+        ``kvcore.budget.shares``). Cheap: the gate renews its mark at most a few times a
+        second."""
+        self.ledger.note_shortage(num_blocks)
 
     def get_num_free_blocks(self) -> int:
         """Blocks vLLM may allocate now: the ledger's (logical and physical headroom, as read

@@ -1,0 +1,107 @@
+"""Shares of a GPU budget under the real vLLM scheduler (forked wheel, host backend): an
+engine that borrowed the whole budget gives way to one that starts later.
+
+Two schedulers run in one process, stepped in turn, on one per-GPU ledger in a private
+directory (their instances differ by capacity, which their record names carry). Their page
+allocators unmap on their own background threads, so a page one engine frees reaches the
+other a step or two later; the assertions compare whole runs, never single steps.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from harness.vllm.scheduler import (
+    BLOCK,
+    BPP,
+    GRAN,
+    host_settings,
+    make_request,
+    make_scheduler,
+    step,
+)
+from kvcore.adapters.vllm.pool import ElasticBlockPool
+from kvcore.budget.ledger import GpuLedger
+from kvcore.budget.shares import share_of
+from kvcore.vmm import open_backend
+
+DEVICE = 64 << 20
+
+
+@pytest.fixture(autouse=True)
+def _collect() -> Iterator[None]:
+    yield
+    gc.collect()  # pools close their kvcore memory when collected
+
+
+def _scheduler(ledger_dir: Path, num_blocks: int) -> Scheduler:
+    settings = host_settings(gpu_ledger=True, ledger_dir=str(ledger_dir))
+    settings["backend_options"]["device_bytes"] = DEVICE
+    return make_scheduler(num_blocks, max_num_seqs=32, kvcore=settings)
+
+
+def _pool(scheduler: Scheduler) -> ElasticBlockPool:
+    pool = scheduler.kv_cache_manager.block_pool
+    assert isinstance(pool, ElasticBlockPool)
+    return pool
+
+
+def _requests(prefix: str, n: int) -> list:  # type: ignore[type-arg]
+    # 15 blocks of prompt and 4 tokens out: 16 blocks (2 pages) each, none added by decode
+    return [
+        make_request(f"{prefix}{i}", [1000 * i + j for j in range(15 * BLOCK)], max_tokens=4)
+        for i in range(n)
+    ]
+
+
+def test_a_borrowing_engine_gives_way_to_one_that_starts_later(tmp_path: Path) -> None:
+    a = _scheduler(tmp_path, 64 * BPP)
+    b = _scheduler(tmp_path, 48 * BPP)  # another capacity: another record name
+    name_a, name_b = (_pool(s).ledger.pages.gate.name for s in (a, b))
+    uuid = open_backend("host", 0, granularity=GRAN, device_bytes=DEVICE).device_uuid()
+    ledger = GpuLedger.open(uuid, directory=tmp_path)
+    idle = ledger.snapshot().total_mapped  # each one's zero page and null block's page
+    ledger.set_budget(idle + 24 * GRAN)
+    backlog = _requests("a", 40)  # more than the budget holds at once
+    for r in backlog:
+        a.add_request(r)
+    for _ in range(3):
+        step(a)
+    snap = ledger.snapshot()
+    rec_a = snap.find(name_a)
+    assert rec_a is not None
+    assert snap.total_mapped >= snap.budget - GRAN, "a borrowed the whole budget"
+    assert rec_a.mapped > share_of(snap, rec_a)
+    burst = _requests("b", 8)
+    for r in burst:
+        b.add_request(r)
+    peak_b = 0
+    a_left_when_b_done = None
+    for _ in range(2000):
+        if not (a.has_unfinished_requests() or b.has_unfinished_requests()):
+            break
+        step(a)
+        step(b)
+        snap = ledger.snapshot()
+        assert snap.total_mapped <= snap.budget
+        rec_b = snap.find(name_b)
+        assert rec_b is not None
+        peak_b = max(peak_b, rec_b.mapped)
+        if a_left_when_b_done is None and all(r.is_finished() for r in burst):
+            a_left_when_b_done = sum(not r.is_finished() for r in backlog)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in backlog + burst)
+    # Without shares, a would admit its own backlog into every page it frees and b would
+    # start only once a's backlog drained. With them, a gives way as its requests finish.
+    assert a_left_when_b_done is not None and a_left_when_b_done >= 5, a_left_when_b_done
+    assert peak_b >= share_of(snap, rec_b) - 2 * GRAN, "b reached about its share"
+    del a, b
+    gc.collect()
+    assert ledger.snapshot().records == ()
+    ledger.close()
+
