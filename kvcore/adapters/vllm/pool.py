@@ -371,6 +371,17 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         second."""
         self.ledger.note_shortage(num_blocks)
 
+    def get_usage(self) -> float:
+        """vLLM's KV cache usage (``vllm:kv_cache_usage_perc``): the blocks requests hold
+        over the logical capacity, as upstream counts them. Not ``1 - get_num_free_blocks()
+        / capacity``, upstream's formula, which here would also count as used the budget
+        other instances hold."""
+        total = int(self.num_gpu_blocks) - 1  # the null block is no capacity
+        if total <= 0:
+            return 0.0
+        held = self.ledger.used() - 1 - len(self._claimed) - self.num_cached_free_blocks()
+        return max(0, held) / total
+
     def get_num_free_blocks(self) -> int:
         """Blocks vLLM may allocate now: the ledger's (logical and physical headroom, as read
         at most once between two changes, module docstring) plus the ref-count-0 cached

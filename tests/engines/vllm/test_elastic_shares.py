@@ -1,5 +1,6 @@
 """Shares of a GPU budget under the real vLLM scheduler (forked wheel, host backend): an
-engine that borrowed the whole budget gives way to one that starts later.
+engine that borrowed the whole budget gives way to one that starts later, and vLLM's KV
+cache usage counts an engine's own blocks, not the budget others hold.
 
 Two schedulers run in one process, stepped in turn, on one per-GPU ledger in a private
 directory (their instances differ by capacity, which their record names carry). Their page
@@ -26,7 +27,9 @@ from harness.vllm.scheduler import (
     make_scheduler,
     step,
 )
+from kvcore.adapters.vllm import memory_for
 from kvcore.adapters.vllm.pool import ElasticBlockPool
+from kvcore.budget.gate import BudgetGate
 from kvcore.budget.ledger import GpuLedger
 from kvcore.budget.shares import share_of
 from kvcore.vmm import open_backend
@@ -105,3 +108,25 @@ def test_a_borrowing_engine_gives_way_to_one_that_starts_later(tmp_path: Path) -
     assert ledger.snapshot().records == ()
     ledger.close()
 
+
+def test_kv_cache_usage_counts_the_engines_own_blocks_not_the_budget() -> None:
+    """vLLM's ``kv_cache_usage_perc`` upstream is ``1 - free / capacity``; under a budget
+    that admits fewer blocks than the capacity, that would count as used every block the
+    budget withholds. The elastic pool reports the blocks requests hold."""
+    # the zero page, the null block's page (7 blocks free) and 2 pages: 23 of 63 blocks
+    gate = BudgetGate(4 * GRAN)
+    scheduler = make_scheduler(8 * BPP, gate=gate)
+    pool = _pool(scheduler)
+    memory = memory_for(scheduler.kv_cache_config)
+    assert pool.get_usage() == 0.0
+    (req,) = _requests("u", 1)
+    scheduler.add_request(req)
+    step(scheduler)
+    held = 15  # the prompt's blocks (240 tokens); decode adds one at the next step
+    assert pool.get_usage() == pytest.approx(held / (8 * BPP - 1))
+    upstream = 1.0 - pool.get_num_free_blocks() / (8 * BPP - 1)
+    assert upstream == pytest.approx(1 - 8 / (8 * BPP - 1)), "would count 40 withheld as used"
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+    assert pool.get_usage() == 0.0
+    memory.close()
