@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from kvcore.budget.ledger import GpuLedger
 from kvcore.budget.ledger_file import InstanceRecord, LedgerSnapshot, Liveness
+from kvcore.budget.shares import share_of, yields
 from kvcore.cli._ledgers import Opened, open_ledgers
 from kvcore.cli.display import printable
 from kvcore.cli.sizes import ACCEPTED, SizeError, format_bytes, parse_size
@@ -40,6 +41,8 @@ examples:
   kvctl limit llama-a 40%         ... at 40% of its GPU
   kvctl limit llama-a none        remove the cap
   kvctl budget 100G               cap all kvcore instances on the GPU together
+  kvctl share llama-a 30G         keep 30 GiB for llama-a while others borrow beyond theirs
+  kvctl share llama-a none        back to an equal part of the budget
   kvctl trim llama-a              make llama-a drop its idle pre-mapped reserve
   kvctl clean                     reclaim records left by dead instances
 
@@ -109,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="change only if the limit is still at revision N (compare-and-set)",
     )
+
+    p = add(
+        "share",
+        "set the memory an instance keeps while others borrow (default: an equal part of the "
+        "budget); above its share, an instance gives way to one below its share that waits",
+        "  kvctl share llama-a 30G\n  kvctl share llama-a 50%\n"
+        "  kvctl share llama-a none   # an equal part of the budget",
+    )
+    p.add_argument("name", help="instance name (see kvctl list)")
+    p.add_argument("size", help="new share: " + ACCEPTED.replace("%", "%%"))
 
     p = add(
         "budget",
@@ -198,13 +211,20 @@ def _cmd_list(args: argparse.Namespace, opened: Opened) -> int:
     return EXIT_OK
 
 
-def _cmd_limit(args: argparse.Namespace, opened: Opened) -> int:
+def _setting(args: argparse.Namespace, opened: Opened, zero: str) -> tuple[GpuLedger, int]:
+    """The ledger holding instance ``args.name`` and ``args.size`` in bytes; a size of 0
+    must be written ``none`` (a typo never lifts a cap): ``zero`` says what ``none`` does."""
     ledger, _ = _resolve(opened, args.name)
     size = _size(args.size, ledger)
     if size == 0 and args.size.strip().lower() not in ("none", "unlimited"):
         raise _UsageError(
-            f"{args.size!r} would remove the limit; say `kvctl limit {args.name} none` to remove it"
+            f"{args.size!r} would {zero}; say `kvctl {args.command} {args.name} none` to do that"
         )
+    return ledger, size
+
+
+def _cmd_limit(args: argparse.Namespace, opened: Opened) -> int:
+    ledger, size = _setting(args, opened, "remove the limit")
     before, after = ledger.set_limit(args.name, size, if_revision=args.if_revision)
     print(
         f"{after.name}: limit {_limit(before.limit)} -> {_limit(after.limit)} "
@@ -216,6 +236,28 @@ def _cmd_limit(args: argparse.Namespace, opened: Opened) -> int:
             "new memory until its use falls below the limit (its reserve is trimmed first)"
         )
     return EXIT_OK
+
+
+def _cmd_share(args: argparse.Namespace, opened: Opened) -> int:
+    ledger, size = _setting(args, opened, "give it an equal part of the budget")
+    before, after = ledger.set_share(args.name, size)
+    snap = ledger.snapshot()
+    now = snap.find(args.name) or after
+    print(
+        f"{after.name}: share {_share_setting(before.share)} -> {_share_setting(after.share)} "
+        f"({format_bytes(share_of(snap, now))} now)"
+    )
+    total = sum(share_of(snap, r) for r in snap.records)
+    if total > snap.budget:
+        _note(
+            f"the shares on this GPU add up to {format_bytes(total)}, more than its budget "
+            f"{format_bytes(snap.budget)}: not all of them can be kept at once"
+        )
+    return EXIT_OK
+
+
+def _share_setting(n: int) -> str:
+    return format_bytes(n) if n else "equal"
 
 
 def _cmd_budget(args: argparse.Namespace, opened: Opened) -> int:
@@ -291,6 +333,7 @@ def _cmd_clean(args: argparse.Namespace, opened: Opened) -> int:
 _COMMANDS = {
     "list": _cmd_list,
     "limit": _cmd_limit,
+    "share": _cmd_share,
     "budget": _cmd_budget,
     "trim": _cmd_trim,
     "clean": _cmd_clean,
@@ -331,11 +374,15 @@ def _limit(n: int) -> str:
     return format_bytes(n) if n else "none"
 
 
-def _state(rec: InstanceRecord) -> str:
+def _state(snap: LedgerSnapshot, rec: InstanceRecord) -> str:
     if rec.liveness is Liveness.UNKNOWN:
         return "other-pidns"
     if rec.over_limit or (rec.limit and rec.mapped > rec.limit):
         return "over-limit"
+    if rec.waiting and rec.mapped < share_of(snap, rec):
+        return "waiting"
+    if yields(snap, rec):
+        return "yielding"
     if rec.trimming:
         return "trimming"
     return "active"
@@ -358,7 +405,19 @@ def _table(snap: LedgerSnapshot) -> Any:
     from rich.text import Text
 
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for col in ("NAME", "ENGINE", "PID", "STATE", "LIMIT", "MAPPED", "RESERVE", "%LIMIT", "REV"):
+    cols = (
+        "NAME",
+        "ENGINE",
+        "PID",
+        "STATE",
+        "LIMIT",
+        "SHARE",
+        "MAPPED",
+        "RESERVE",
+        "%LIMIT",
+        "REV",
+    )
+    for col in cols:
         justify: Literal["left", "right"] = "right" if col in ("PID", "%LIMIT", "REV") else "left"
         table.add_column(col, justify=justify, no_wrap=True)
     for r in sorted(snap.records, key=lambda r: r.name):
@@ -368,8 +427,9 @@ def _table(snap: LedgerSnapshot) -> Any:
             Text(printable(r.name)),  # Text: a name is never rich markup
             Text(printable(engine)),
             str(r.pid),
-            _state(r),
+            _state(snap, r),
             _limit(r.limit),
+            format_bytes(share_of(snap, r)) + ("" if r.share else " (equal)"),
             format_bytes(r.mapped),
             format_bytes(r.reserve),
             share,
@@ -399,9 +459,13 @@ def _snapshot_json(snap: LedgerSnapshot) -> dict[str, Any]:
                 "model": r.model,
                 "pid": r.pid,
                 "device": r.device,
-                "state": _state(r),
+                "state": _state(snap, r),
                 "limit": r.limit,
                 "limit_revision": r.limit_revision,
+                "share": share_of(snap, r),
+                "share_setting": r.share,
+                "waiting": r.waiting,
+                "yielding": yields(snap, r),
                 "mapped": r.mapped,
                 "reserve": r.reserve,
                 "denied": r.denied,

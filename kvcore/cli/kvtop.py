@@ -24,7 +24,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from kvcore.budget.ledger_file import LedgerSnapshot, Liveness
+from kvcore.budget.ledger_file import InstanceRecord, LedgerSnapshot, Liveness
+from kvcore.budget.shares import share_of, yields
 from kvcore.cli._ledgers import Opened, open_ledgers
 from kvcore.cli.display import printable
 from kvcore.cli.sizes import format_bytes
@@ -115,26 +116,50 @@ def _gpu(snap: LedgerSnapshot, now: float) -> Any:
     if known and now - snap.device_free_time > 10:
         info.append(f"; device figures {now - snap.device_free_time:.0f} s old")
 
+    # SHARE and STATE only where shares are in play (one set, or an instance waiting or
+    # yielding), so that the common view fits an 80-column terminal
+    states = {r.slot: _state(snap, r, now) for r in snap.records}
+    sharing = any(states.values()) or any(r.share for r in snap.records)
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, expand=False)
-    for col in ("NAME", "ENGINE", "LIMIT", "MAPPED", "RESERVE", "%"):
-        justify: Literal["left", "right"] = "left" if col in ("NAME", "ENGINE") else "right"
+    cols = ["NAME", "ENGINE", "LIMIT", "MAPPED", "RESERVE", "%"]
+    if sharing:
+        cols[3:3] = ["SHARE"]
+        cols.append("STATE")
+    for col in cols:
+        justify: Literal["left", "right"] = (
+            "left" if col in ("NAME", "ENGINE", "STATE") else "right"
+        )
         table.add_column(col, justify=justify, no_wrap=True)
     for r in sorted(snap.records, key=lambda r: r.name):
         pct = 100 * r.mapped / r.limit if r.limit else 100 * r.mapped / snap.budget
         style = "red" if r.limit and r.mapped > r.limit else ""
         name = r.name if r.liveness is not Liveness.UNKNOWN else f"{r.name} (?)"
-        table.add_row(
+        row: list[Text | str] = [
             Text(printable(name)),  # from a file: never markup, never terminal escapes
             Text(printable(f"{r.engine} {r.engine_version}".strip())),
             format_bytes(r.limit) if r.limit else "none",
             format_bytes(r.mapped),
             format_bytes(r.reserve),
             f"{pct:.0f}%" if r.limit else f"{pct:.0f}% of budget",
-            style=style,
-        )
+        ]
+        if sharing:
+            row[3:3] = [format_bytes(share_of(snap, r))]
+            row.append(states[r.slot])
+        table.add_row(*row, style=style)
     if not snap.records:
         return Group(bar, legend, info, Text("no instances", style="dim"))
     return Group(bar, legend, info, table)
+
+
+def _state(snap: LedgerSnapshot, rec: InstanceRecord, now: float) -> str:
+    """What the instance's gate does under shares now: waiting below its share, or held at
+    its share for a waiting neighbour (``kvcore.budget.shares``); "" otherwise (a limit it is
+    over shows in red)."""
+    if rec.wanted_until > now and rec.mapped < share_of(snap, rec):
+        return "waiting"
+    if yields(snap, rec, now):
+        return "yielding"
+    return ""
 
 
 def _frame(opened: Opened) -> Any:

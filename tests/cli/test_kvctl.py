@@ -59,9 +59,12 @@ def test_list_shows_every_instance(capsys: pytest.CaptureFixture[str], instance:
     assert "1.0 GiB total, budget = whole device (rev 1), kvcore maps 384.0 MiB in 2" in out
     table = rows(out)
     assert table["llama-a"] == [
-        "llama-a", "vllm 0.33.0", str(pid_a), "active", "none", "256.0 MiB", "64.0 MiB", "-", "1"
+        "llama-a", "vllm 0.33.0", str(pid_a), "active", "none", "512.0 MiB (equal)",
+        "256.0 MiB", "64.0 MiB", "-", "1",
     ]  # fmt: skip
-    assert table["qwen-b"][2:7] == [str(pid_b), "active", "none", "128.0 MiB", "0 B"]
+    assert table["qwen-b"][2:8] == [
+        str(pid_b), "active", "none", "512.0 MiB (equal)", "128.0 MiB", "0 B"
+    ]  # fmt: skip
 
 
 def test_list_json(capsys: pytest.CaptureFixture[str], instance: Spawn) -> None:
@@ -98,7 +101,7 @@ def test_lowering_below_use_is_explained_not_an_error(
     assert "maps 256.0 MiB, above the new limit: it gets no new memory until" in out
     _, out, _ = run(capsys, "list")
     assert rows(out)["llama-a"][3:5] == ["over-limit", "128.0 MiB"]
-    assert rows(out)["llama-a"][7] == "200%"
+    assert rows(out)["llama-a"][8] == "200%"
     code, out, _ = run(capsys, "limit", "llama-a", "none")
     assert code == 0 and "-> none" in out
 
@@ -303,3 +306,34 @@ def test_names_from_the_file_reach_the_terminal_as_text(
     code, out, _ = run(capsys, "list", "--json")
     assert code == 0 and "NaN" not in out
     assert json.loads(out)["gpus"][0]["instances"][0]["updated"] is None
+
+
+def test_share_sets_reports_and_list_shows_who_waits_and_who_yields(
+    capsys: pytest.CaptureFixture[str], instance: Spawn
+) -> None:
+    from kvcore.budget.ledger_gate import LedgerGate
+
+    instance("llama-a", 768 * MiB)
+    code, out, _ = run(capsys, "share", "llama-a", "256M")
+    assert code == 0
+    assert out == "llama-a: share equal -> 256.0 MiB (256.0 MiB now)\n"
+    with only_ledger() as led:
+        waiter = LedgerGate(led, name="qwen-b", engine="test")
+        try:
+            assert not waiter.try_acquire(512 * MiB), "768 + 512 MiB exceed the 1 GiB device"
+            _, out, _ = run(capsys, "list")
+            table = rows(out)
+            assert table["qwen-b"][3:6] == ["waiting", "none", "512.0 MiB (equal)"]
+            assert table["llama-a"][3:6] == ["yielding", "none", "256.0 MiB"]
+            _, out, _ = run(capsys, "list", "--json")
+            got = {i["name"]: i for i in json.loads(out)["gpus"][0]["instances"]}
+            assert (got["qwen-b"]["waiting"], got["qwen-b"]["share"]) == (True, 512 * MiB)
+            assert got["llama-a"]["yielding"] and got["llama-a"]["share_setting"] == 256 * MiB
+        finally:
+            waiter.close()
+    code, out, err = run(capsys, "share", "llama-a", "2G")
+    assert code == 0 and "add up to 2.0 GiB, more than its budget 1.0 GiB" in err
+    code, out, _ = run(capsys, "share", "llama-a", "none")
+    assert (code, out) == (0, "llama-a: share 2.0 GiB -> equal (1.0 GiB now)\n")
+    code, _, err = run(capsys, "share", "llama-a", "0")
+    assert code == kvctl.EXIT_USAGE and "kvctl share llama-a none" in err

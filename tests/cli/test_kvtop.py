@@ -186,3 +186,21 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: kvtop") and "--interval" in out and "kvtop --once" in out
+
+
+def test_frame_shows_shares_and_who_waits_only_when_in_play() -> None:
+    from dataclasses import replace
+
+    lender = replace(_record("llama-a", 700 * MiB), slot=0)
+    waiter = replace(_record("qwen-b", 100 * MiB), slot=1, wanted_until=time.time() + 60)
+    plain = _text(kvtop.render([_snapshot((lender, replace(waiter, wanted_until=0.0)), 0, 0)]))
+    assert "SHARE" not in plain and "STATE" not in plain, "no shares in play: the usual table"
+    text = _text(kvtop.render([_snapshot((lender, waiter), 0, 0)]))
+    rows = {
+        cells[0]: cells
+        for line in text.splitlines()
+        if (cells := re.split(r"\s{2,}", line.strip("│ ")))[0] in ("llama-a", "qwen-b")
+    }
+    # an equal share of the 1000 MiB device each; the waiter below it, the lender above
+    assert rows["llama-a"][3:] == ["500.0 MiB", "700.0 MiB", "0 B", "70% of budget", "yielding"]
+    assert rows["qwen-b"][3:] == ["500.0 MiB", "100.0 MiB", "0 B", "10% of budget", "waiting"]
