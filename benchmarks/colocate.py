@@ -50,6 +50,8 @@ pages are unmapped and released to the ledger) before it replies; only then does
 instance step. The order rotates each round so no instance always has first pick of freed
 pages. The only shared state (the ledger's budget) is therefore read and written in the same
 order every run: the same seed gives the same table and plot, whatever the machine's timing.
+The ledger gates read a virtual clock (``ROUND_S`` per round) for the same reason: an instance
+below its share that waits for memory is marked for a number of rounds, not of seconds.
 
 Measured, per instance and mode: requests finished within ``--steps`` rounds (of those that
 arrived), decode tokens produced, preemptions (``SchedulerOutput.preempted_req_ids``), steps a
@@ -94,6 +96,11 @@ MAX_PROMPT = 8192
 MAX_OUTPUT = 2048
 MAX_MODEL_LEN = 16384
 MODES = ("elastic", "static")
+ROUND_S = 0.02
+"""Virtual seconds per lock-step round: the clock the elastic instances' ledger gates read
+(a GPU decode step's order of magnitude), so that the waiting marks of budget shares
+(``kvcore.budget.shares``: held 1 s, renewed at most every 0.25 s) last the same rounds in
+every run, whatever the machine's speed."""
 _STAND_IN_TOKEN = 1000  # the token id the stand-in executor "samples"
 
 _MODEL_CONFIG = {  # config.json of a Llama-3-8B-shaped model; no weights are ever read
@@ -321,6 +328,15 @@ class _StepReleaseGate:
     def headroom(self) -> int:
         return int(self._inner.headroom())
 
+    def overage(self) -> int:
+        return int(self._inner.overage())
+
+    def held_back(self) -> bool:
+        return bool(self._inner.held_back())
+
+    def note_wanted(self, nbytes: int) -> None:
+        self._inner.note_wanted(nbytes)
+
     def close(self) -> None:
         self._inner.close()
 
@@ -400,6 +416,7 @@ class _Instance:
         register_all_kvcache_specs(config)
         self.memory: Any = None
         self._ledger: Any = None
+        self._round = 0
         if self.elastic:
             from kvcore.adapters.vllm import elastic_settings, memory_for
             from kvcore.budget.ledger import GpuLedger
@@ -444,8 +461,15 @@ class _Instance:
             engine="vllm",
             engine_version=str(vllm.__version__),
             model="llama-3-8b-shaped",
+            clock=self._round_clock,
+            wall_clock=self._round_clock,
         )
         return _StepReleaseGate(gate)
+
+    def _round_clock(self) -> float:
+        """Seconds of the demo's virtual time (``ROUND_S`` per round), the clock of this
+        instance's ledger gate: every instance reads the same time in the same round."""
+        return 1.0 + self._round * ROUND_S
 
     def step(self, t: int, arrivals: Sequence[tuple[str, int, int]]) -> StepSample:
         """One round: add ``arrivals`` (request id, prompt tokens, output tokens), schedule,
@@ -454,6 +478,7 @@ class _Instance:
         from vllm.v1.request import Request
 
         sched = self.scheduler
+        self._round = t
         for req_id, prompt_tokens, output_tokens in arrivals:
             base = sum(map(ord, req_id)) * 7919
             prompt = [(base + j * 31) % 120000 + 100 for j in range(prompt_tokens)]
