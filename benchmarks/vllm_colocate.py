@@ -426,17 +426,25 @@ def compare(phases: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 def ledger_sample(snapshot: Any, owner: Callable[[Any], str | None], t: float) -> dict[str, Any]:
     """One KV-memory sample from a ``kvcore.budget.ledger_file.LedgerSnapshot``: per instance
     (``owner(record)``: its name, or None for a record of no instance of this run) the
-    record's mapped bytes, in use (mapped less the idle reserve), limit and refusals."""
+    record's mapped bytes, in use (mapped less the idle reserve), limit, refusals, and its
+    share of the budget with whether it waits below it or yields to another that does
+    (``kvcore.budget.shares``)."""
+    from kvcore.budget.shares import share_of, yields
+
     per: dict[str, dict[str, Any]] = {}
     other: dict[str, int] = {}
+    wall = time.time()  # waiting marks are wall-clock times
     for rec in snapshot.records:
         name = owner(rec)
         if name is None:
             other[rec.name] = rec.mapped
             continue
+        share = share_of(snapshot, rec)
         per[name] = {
             "mapped": rec.mapped, "in_use": rec.in_use, "limit": rec.limit,
             "denied": rec.denied, "over_limit": rec.over_limit, "record": rec.name,
+            "share": share, "waiting": rec.wanted_until > wall and rec.mapped < share,
+            "yielding": yields(snapshot, rec, wall),
         }  # fmt: skip
     return {
         "t": round(t, 3),
@@ -446,6 +454,21 @@ def ledger_sample(snapshot: Any, owner: Callable[[Any], str | None], t: float) -
         "other": other,
     }
 
+
+def kvtop_frame(snapshot: Any) -> str:
+    """What ``kvtop --once`` shows for ``snapshot`` (a ``LedgerSnapshot``), as plain text 100
+    columns wide: the frame the steering events keep."""
+    from rich.console import Console
+
+    from kvcore.cli import kvtop
+
+    console = Console(record=True, width=100, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(kvtop.render([snapshot]))
+    return console.export_text()
+
+
+KVTOP_AFTER_S = 3.0
+"""A steering event keeps a kvtop frame when it is applied and this long after."""
 
 Series = list[tuple[float, float]]
 
@@ -1159,12 +1182,18 @@ class Run:
         record["t_start"] = round(t0 - self.clock0, 3)
         steer = sorted(parse_steer(x) for x in args.steer) if mode == "elastic" else []
         steered: list[dict[str, Any]] = []
+        frames_due: list[tuple[float, dict[str, Any]]] = []  # (when, steering event)
         last = time.monotonic()
         while any(p.is_alive() for _, p, *_ in clients):
             time.sleep(0.2)
             now = time.monotonic()
             while steer and now >= t0 + steer[0][0]:
                 steered.append(self._steer(*steer.pop(0)))
+                self._keep_kvtop(steered[-1], now - t0)
+                frames_due.append((now + KVTOP_AFTER_S, steered[-1]))
+            for due in [d for d in frames_due if now >= d[0]]:
+                frames_due.remove(due)
+                self._keep_kvtop(due[1], now - t0)
             if now - last >= args.progress_s:
                 last = now
                 self.say(f"{label} t={now - t0:5.0f}s " + self._progress(mode, clients))
@@ -1234,6 +1263,16 @@ class Run:
             event.update(applied=False, error=repr(exc))
             self.say(f"steer {name} {size} failed: {exc!r}")
         return event
+
+    def _keep_kvtop(self, event: dict[str, Any], t: float) -> None:
+        """Add a kvtop frame of the ledger now to a steering event (and to the log)."""
+        assert self.samplers is not None
+        try:
+            frame = kvtop_frame(self.samplers.open_ledger().snapshot())
+        except Exception as exc:  # informative only: the run goes on
+            frame = f"kvtop frame failed: {exc!r}"
+        event.setdefault("kvtop", []).append({"t": round(t, 3), "frame": frame})
+        self.say(f"kvtop at {t:.1f} s of the phase:\n{frame}")
 
     def plot(self, peak: float | None, repeat: int) -> None:
         """The KV plot of ``(peak, repeat)`` once both modes of it ran."""

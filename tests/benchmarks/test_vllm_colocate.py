@@ -27,6 +27,7 @@ from benchmarks.vllm_colocate import (
     bursty_trace,
     compare,
     kv_panel,
+    kvtop_frame,
     ledger_sample,
     log_flags,
     meets,
@@ -303,6 +304,11 @@ def test_ledger_sample_from_a_real_ledger(tmp_path: Path) -> None:
         assert (qwen["mapped"], qwen["limit"], qwen["denied"]) == (256 * MiB, GiB, 1)
         assert llama["record"] == "vllm-1-a"
         assert sample["other"] == {"someone-else": 64 * MiB}
+        # an equal share of the 2 GiB budget among 3 instances; nobody waits
+        assert (llama["share"], llama["waiting"], llama["yielding"]) == (2 * GiB // 3, False, False)
+        frame = kvtop_frame(ledger.snapshot())
+        assert "vllm-1-a" in frame and "512.0 MiB" in frame and "budget 2.0 GiB" in frame
+        assert "vllm-2-b" in frame and "25%" in frame  # 256 MiB of its 1 GiB limit
         for gate in (a, b, stray):
             gate.close()
         assert ledger_sample(ledger.snapshot(), lambda rec: None, 2.0)["instances"] == {}
@@ -371,6 +377,24 @@ def test_stopping_records_live_servers_log_sizes(
     assert run._stop_offsets == {"live": len(_RUN_LOG.encode())}  # a dead one is read whole
     got = log_flags(servers[0].log_path, run._stop_offsets.get("live"))
     assert got["traceback"] == 1 and log_flags(servers[0].log_path)["traceback"] == 2
+
+
+def test_a_steering_event_keeps_kvtop_frames(tmp_path: Path) -> None:
+    ledger = GpuLedger.open("GPU-colocate-test", device_total=8 * GiB, directory=tmp_path)
+    gate = LedgerGate(ledger, name="vllm-1-a", engine="vllm")
+    said: list[str] = []
+    try:
+        assert gate.try_acquire(GiB)
+        run = SimpleNamespace(samplers=SimpleNamespace(open_ledger=lambda: ledger), say=said.append)
+        event: dict[str, Any] = {"t": 20.0, "instance": "llama", "size": "512M"}
+        Run._keep_kvtop(run, event, 20.2)  # type: ignore[arg-type]
+        Run._keep_kvtop(run, event, 23.2)  # type: ignore[arg-type]
+        assert [f["t"] for f in event["kvtop"]] == [20.2, 23.2]
+        assert "vllm-1-a" in event["kvtop"][0]["frame"] and "1.0 GiB" in event["kvtop"][0]["frame"]
+        assert len(said) == 2 and said[0].startswith("kvtop at 20.2 s of the phase:")
+    finally:
+        gate.close()
+        ledger.close()
 
 
 def _samples() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
