@@ -14,7 +14,8 @@ Methods optional beyond the protocol (the page allocator looks for them): ``head
 the bytes ``try_acquire`` would still admit; ``overage()``, the bytes in use beyond a limit
 lowered below them (``kvctl limit``): what the engine is asked to give back by dropping
 cached KV; ``held_back()``, whether the instance maps more than it may hold now, so that
-idle pages it keeps mapped must not go back in use; ``note_wanted(n)``, the engine was
+idle pages it keeps mapped must not go back in use (never while ``headroom()`` is positive:
+the page allocator asks only a gate with no room); ``note_wanted(n)``, the engine was
 ``n`` bytes short (the per-GPU ledger's shares, ``kvcore.budget.shares``).
 """
 

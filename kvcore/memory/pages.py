@@ -734,22 +734,23 @@ class PageAllocator:
         """Pages ``acquire`` could hand out now: in the reserve, queued for unmap, in a
         background mapper call (``acquire`` waits for those), and free pages the mapper's
         pool or the gate would still admit (``gate.headroom()`` where the gate has one);
-        0 while the gate holds the instance back (``held_back()``, read here). An
+        0 while the gate holds the instance back (``held_back()``, read here when the gate
+        has no room to give: a gate with room holds nobody back). An
         upper bound: the device itself may still run out. A snapshot read without the lock
         (engines ask before every allocation): a page a background round moves meanwhile
         may be missed or, once, counted twice. Raises ``PoolFailed`` once failed."""
         if self._failure is not None or self._closed:
             self._check_usable()
-        if self._held_back_fn is not None:
+        room = self._headroom() if self._headroom is not None else None
+        if isinstance(room, int) and room > 0:
+            self._held_back = False  # a gate with room holds nobody back: no second read
+        elif self._held_back_fn is not None:
             self._held_back = bool(self._held_back_fn())
             if self._held_back:  # idle pages are on their way back; the gate admits none
                 return 0
         free = len(self._free)
-        headroom = self._headroom
-        if headroom is not None:
-            room = headroom()
-            if isinstance(room, int):
-                free = min(free, self._pooled + max(room, 0) // self._page_bytes)
+        if isinstance(room, int):
+            free = min(free, self._pooled + max(room, 0) // self._page_bytes)
         inflight = len(self._bg_maps) + len(self._bg_unmaps)  # ``acquire`` waits for them
         return len(self._reserve) + len(self._unmap_queue) + free + inflight
 
