@@ -37,8 +37,9 @@ from rich.table import Table
 
 from kvcore.budget.gate import BudgetGate, UnlimitedGate
 from kvcore.budget.ledger import GpuLedger
-from kvcore.budget.ledger_file import DIR_ENV
+from kvcore.budget.ledger_file import DIR_ENV, HEADER, RECORD, record_offset
 from kvcore.budget.ledger_gate import LedgerGate
+from kvcore.budget.shares import mark_wanted
 
 UUID = "GPU-bench-ledger-gate"
 GiB = 1 << 30
@@ -131,6 +132,16 @@ def measure(iters: int, repeats: int) -> dict[str, Figure]:
         for o in others:
             o.try_acquire(PAGE)
         pair("LedgerGate, 32 instances", gate)
+        # another instance marked waiting below its share: every call scans the records
+        # (kvcore.budget.shares), and this one, below its own share, is still admitted
+        waiter = led.snapshot().find("other0")
+        assert waiter is not None
+        with led.locked(exclusive=True) as buf:
+            mark_wanted(buf, waiter.slot, time.time() + 3600)
+        pair("LedgerGate, 32 instances, one waiting (records scanned)", gate)
+        with led.locked(exclusive=True) as buf:
+            RECORD.put(buf, record_offset(waiter.slot), "wanted_until", 0.0)
+            HEADER.put(buf, 0, "wanted_until", 0.0)
         out["LedgerGate: reserve_target"] = _median_us(
             lambda n: [gate.reserve_target(PAGE) for _ in range(n)], iters, repeats
         )

@@ -66,9 +66,10 @@ WANT_HOLD_S = 1.0
 WANT_REFRESH_S = 0.25
 """A gate renews its waiting mark at most this often (``LedgerGate.note_wanted``)."""
 
-_STATE_OFF = RECORD.field["state"][0]
-_MAPPED_OFF = RECORD.field["mapped"][0]
+_STATE_OFF, _STATE = RECORD.field["state"]
+_MAPPED_OFF, _MAPPED = RECORD.field["mapped"]
 _TAIL_OFF, _TAIL = RECORD.span("share", "wanted_until")
+_BASES = [record_offset(s) for s in range(CAPACITY)]
 _HDR_WANTED_OFF, _HDR_WANTED = HEADER.field["wanted_until"]
 
 
@@ -100,15 +101,12 @@ def contention(buf: mmap.mmap, slot: int, budget: int, now: float) -> Contention
     share is marked waiting at wall-clock ``now``. Scans every record: call it only while
     ``header_wanted_until(buf) > now`` (or on a refusal), under the lock."""
     records: list[tuple[int, int, int, float]] = []  # slot, share setting, mapped, wanted
-    for s in range(CAPACITY):
-        base = record_offset(s)
-        if int.from_bytes(buf[base + _STATE_OFF : base + _STATE_OFF + 4], "little") != (
-            State.ACTIVE
-        ):
+    active = State.ACTIVE
+    for s, base in enumerate(_BASES):
+        if _STATE.unpack_from(buf, base + _STATE_OFF)[0] != active:
             continue
-        mapped = int.from_bytes(buf[base + _MAPPED_OFF : base + _MAPPED_OFF + 8], "little")
         share, wanted = _TAIL.unpack_from(buf, base + _TAIL_OFF)
-        records.append((s, share, mapped, wanted))
+        records.append((s, share, _MAPPED.unpack_from(buf, base + _MAPPED_OFF)[0], wanted))
     default = equal_share(budget, len(records))
     mine = default
     others_wait = False
