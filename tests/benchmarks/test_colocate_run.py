@@ -78,7 +78,10 @@ def test_static_holds_its_share_and_waits_longer(runs: dict[str, list[InstanceRe
         for mode in ("elastic", "static")
     }
     assert waits["elastic"] < waits["static"]
-    assert runs["elastic"][0].preemptions <= runs["static"][0].preemptions
+    # instance 1, below its share, is not kept waiting for instance 0's burst to drain:
+    # the borrower preempts its own requests to give the memory back within a few steps
+    quiet = runs["elastic"][1].records.values()
+    assert max(r.first_scheduled - r.arrival for r in quiet) <= 5
 
 
 def test_elastic_run_is_reproducible(runs: dict[str, list[InstanceResult]], tmp_path: Path) -> None:

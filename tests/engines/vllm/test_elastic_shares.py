@@ -109,6 +109,57 @@ def test_a_borrowing_engine_gives_way_to_one_that_starts_later(tmp_path: Path) -
     ledger.close()
 
 
+def test_a_borrower_with_long_requests_gives_way_within_steps(tmp_path: Path) -> None:
+    """A borrows the whole budget with requests that keep growing (one block every 16
+    decode steps, ``decode`` steps each); then B starts a burst. If A could refill the free
+    blocks of its pages, no page would empty and B's burst would wait for A's requests to
+    finish (about ``decode`` steps). Held to the pages it may keep, A preempts its own
+    requests instead (vLLM's preemption, recomputed later) and B's burst is served within
+    a few dozen steps."""
+    decode = 400
+    a = _scheduler(tmp_path, 64 * BPP)
+    b = _scheduler(tmp_path, 48 * BPP)
+    uuid = open_backend("host", 0, granularity=GRAN, device_bytes=DEVICE).device_uuid()
+    ledger = GpuLedger.open(uuid, directory=tmp_path)
+    idle = ledger.snapshot().total_mapped
+    ledger.set_budget(idle + 24 * GRAN)
+    # 6 blocks of prompt each; 32 of them (A's max_num_seqs) ask more than the budget holds
+    backlog = [
+        make_request(f"a{i}", [1000 * i + j for j in range(6 * BLOCK)], max_tokens=decode)
+        for i in range(32)
+    ]
+    for r in backlog:
+        a.add_request(r)
+    for _ in range(2 * BLOCK):  # A's running requests spread over the whole budget
+        step(a)
+    snap = ledger.snapshot()
+    assert snap.total_mapped >= snap.budget - GRAN, "a borrowed the whole budget"
+    burst = _requests("b", 16)
+    for r in burst:
+        b.add_request(r)
+    burst_done = None
+    for n in range(20 * decode):
+        if not (a.has_unfinished_requests() or b.has_unfinished_requests()):
+            break
+        step(a)
+        step(b)
+        _pool(a).ledger.pages.flush()  # a background round between steps, as between a
+        _pool(b).ledger.pages.flush()  # GPU's slower steps
+        snap = ledger.snapshot()
+        assert snap.total_mapped <= snap.budget
+        if burst_done is None and all(r.is_finished() for r in burst):
+            burst_done = n
+    everything = backlog + burst
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in everything)
+    assert all(len(r.output_token_ids) == r.max_tokens for r in everything)
+    assert burst_done is not None and burst_done <= decode // 8, burst_done
+    assert sum(r.num_preemptions for r in backlog) > 0  # how A gave the memory back
+    del a, b
+    gc.collect()
+    assert ledger.snapshot().records == ()
+    ledger.close()
+
+
 def test_kv_cache_usage_counts_the_engines_own_blocks_not_the_budget() -> None:
     """vLLM's ``kv_cache_usage_perc`` upstream is ``1 - free / capacity``; under a budget
     that admits fewer blocks than the capacity, that would count as used every block the
