@@ -235,20 +235,10 @@ class BlockLedger:
         reserve or the unmap queue, or being mapped for the reserve), the allocator hands it
         out before any free page, so it counts as one of those pages for the blocks it
         holds: under a budget that admits fewer pages than are left, the figure must not
-        promise what ``alloc`` cannot back. Without a budget the figure is exact.
-
-        While the memory gate wants pages in use back (``PageAllocator.shed_wanted()``: a
-        limit lowered below use, or a share exceeded while a neighbour waits), the free
-        blocks of that many pages are not offered: the instance then uses no more blocks
-        than the pages it may keep hold, and an engine short of blocks waits or preempts
-        (vLLM's scheduler preempts running requests, SGLang retracts them) instead of
-        refilling pages that should empty. ``alloc`` itself is not capped. A snapshot read
-        without the lock, like ``PageAllocator.available`` (engines ask before every
+        promise what ``alloc`` cannot back. Without a budget the figure is exact. A snapshot
+        read without the lock, like ``PageAllocator.available`` (engines ask before every
         allocation)."""
         held_free = self._held_free
-        shed = self._pages.shed_wanted()
-        if shed:  # the gate admits no new page now either: only what stays within the keep
-            return max(0, held_free - shed * self._bpp)
         unheld = self._num_blocks - self._used - held_free
         if unheld <= 0:
             return held_free

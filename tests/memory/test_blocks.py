@@ -92,31 +92,6 @@ def test_alloc_is_all_or_nothing_on_a_physical_miss(backend: str) -> None:
         stack.close()
 
 
-def test_pages_the_gate_wants_back_withhold_their_free_blocks(backend: str) -> None:
-    """Over what the gate allows (a lowered limit here; a share exceeded while a neighbour
-    waits works the same way), the free blocks of as many pages as it wants back are not
-    offered: the engine waits or preempts rather than refill pages that should empty."""
-    gate = BudgetGate(limit=1 << 40)
-    stack = build_stack(backend, num_blocks=32, blocks_per_page=BPP, gate=gate, background=False)
-    try:
-        ledger, pages, pb = stack.ledger(), stack.pages, stack.pages.page_bytes
-        ids = ledger.alloc(3 * BPP)
-        assert ids is not None
-        ledger.free([ids[0], ids[BPP], ids[BPP + 1], ids[2 * BPP], ids[2 * BPP + 1]])
-        assert ledger.held_free() == 5 and pages.stats().in_use == 3
-        gate.limit = 2 * pb  # one page in use too many
-        pages.run_round()
-        assert pages.shed_wanted() == 1 and ledger.available() == 5 - BPP
-        gate.limit = pb  # two too many: less than nothing is left to offer
-        pages.run_round()
-        assert pages.shed_wanted() == 2 and ledger.available() == 0
-        gate.limit = 1 << 40  # lifted: every free block is offered again, and new pages
-        pages.run_round()
-        assert pages.shed_wanted() == 0 and ledger.available() == 32 - ledger.used()
-    finally:
-        stack.close()
-
-
 def test_alloc_misses_when_the_device_runs_out_and_leaks_nothing(backend: str) -> None:
     stack = build_stack(
         backend, num_blocks=32, blocks_per_page=BPP, device_pages=2, background=False
