@@ -92,6 +92,33 @@ def test_alloc_is_all_or_nothing_on_a_physical_miss(backend: str) -> None:
         stack.close()
 
 
+def test_pages_the_gate_wants_back_admit_no_new_request(backend: str) -> None:
+    """Over what the gate allows (a lowered limit here; a share exceeded while a neighbour
+    waits works the same way), the free blocks of as many pages as it wants back are left
+    out of what new requests may take; running requests may still use them."""
+    gate = BudgetGate(limit=1 << 40)
+    stack = build_stack(backend, num_blocks=32, blocks_per_page=BPP, gate=gate, background=False)
+    try:
+        ledger, pages, pb = stack.ledger(), stack.pages, stack.pages.page_bytes
+        ids = ledger.alloc(3 * BPP)
+        assert ids is not None
+        ledger.free([ids[0], ids[BPP], ids[BPP + 1], ids[2 * BPP], ids[2 * BPP + 1]])
+        assert ledger.held_free() == 5 and ledger.admissible() == ledger.available()
+        gate.limit = 2 * pb  # one page in use too many
+        pages.run_round()
+        assert pages.shed_wanted() == 1
+        assert ledger.available() == 5 and ledger.admissible() == 5 - BPP
+        gate.limit = pb  # two too many: nothing is left to admit
+        pages.run_round()
+        assert pages.shed_wanted() == 2
+        assert ledger.available() == 5 and ledger.admissible() == 0
+        gate.limit = 1 << 40  # lifted: every free block and new pages again
+        pages.run_round()
+        assert ledger.admissible() == ledger.available() == 32 - ledger.used()
+    finally:
+        stack.close()
+
+
 def test_alloc_misses_when_the_device_runs_out_and_leaks_nothing(backend: str) -> None:
     stack = build_stack(
         backend, num_blocks=32, blocks_per_page=BPP, device_pages=2, background=False

@@ -395,6 +395,17 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         queued: int = self.free_block_queue.num_free_blocks
         return available + len(self._claimed) + queued
 
+    def free_blocks_to_admit(self) -> int:
+        """What a new request may take now (the patched admission check of
+        ``KVCacheManager.allocate_slots`` asks this instead of ``get_num_free_blocks``): the
+        same figure (read as seldom), less the free blocks on pages the memory gate wants
+        back (``BlockLedger.withheld``). Running requests keep growing into those; the
+        pages drain as they finish."""
+        free = self.get_num_free_blocks()
+        if self._logical_count:
+            return free
+        return max(0, free - self.ledger.withheld())
+
     def num_cached_free_blocks(self) -> int:
         """Ref-count-0 blocks held for the prefix cache (evictable, still backed)."""
         return int(self.free_block_queue.num_free_blocks)

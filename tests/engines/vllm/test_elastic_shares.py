@@ -109,13 +109,13 @@ def test_a_borrowing_engine_gives_way_to_one_that_starts_later(tmp_path: Path) -
     ledger.close()
 
 
-def test_a_borrower_with_long_requests_gives_way_within_steps(tmp_path: Path) -> None:
+def test_a_borrower_with_long_requests_gives_way_as_they_finish(tmp_path: Path) -> None:
     """A borrows the whole budget with requests that keep growing (one block every 16
-    decode steps, ``decode`` steps each); then B starts a burst. If A could refill the free
-    blocks of its pages, no page would empty and B's burst would wait for A's requests to
-    finish (about ``decode`` steps). Held to the pages it may keep, A preempts its own
-    requests instead (vLLM's preemption, recomputed later) and B's burst is served within
-    a few dozen steps."""
+    decode steps, up to ``decode`` steps each) and a large backlog; then B starts a burst.
+    A's running requests keep growing into the free blocks of its pages (taking those back
+    by preemption thrashed on the H200: docs/vllm.md, "Shares of a shared GPU"), but A
+    admits none of its backlog into the pages it should give back, so they drain and B's
+    burst is served within the lifetime of A's requests, not after A's backlog."""
     decode = 400
     a = _scheduler(tmp_path, 64 * BPP)
     b = _scheduler(tmp_path, 48 * BPP)
@@ -123,10 +123,13 @@ def test_a_borrower_with_long_requests_gives_way_within_steps(tmp_path: Path) ->
     ledger = GpuLedger.open(uuid, directory=tmp_path)
     idle = ledger.snapshot().total_mapped
     ledger.set_budget(idle + 24 * GRAN)
-    # 6 blocks of prompt each; 32 of them (A's max_num_seqs) ask more than the budget holds
+    # 6 blocks of prompt each and outputs of 1/8 .. 8/8 of ``decode``, so that some of A's
+    # requests finish all the time; 96 of them, three times A's max_num_seqs
     backlog = [
-        make_request(f"a{i}", [1000 * i + j for j in range(6 * BLOCK)], max_tokens=decode)
-        for i in range(32)
+        make_request(
+            f"a{i}", [1000 * i + j for j in range(6 * BLOCK)], max_tokens=decode * (1 + i % 8) // 8
+        )
+        for i in range(96)
     ]
     for r in backlog:
         a.add_request(r)
@@ -138,22 +141,27 @@ def test_a_borrower_with_long_requests_gives_way_within_steps(tmp_path: Path) ->
     for r in burst:
         b.add_request(r)
     burst_done = None
+    a_left = None
     for n in range(20 * decode):
         if not (a.has_unfinished_requests() or b.has_unfinished_requests()):
             break
         step(a)
         step(b)
         _pool(a).ledger.pages.flush()  # a background round between steps, as between a
-        _pool(b).ledger.pages.flush()  # GPU's slower steps
+        _pool(b).ledger.pages.flush()  # GPU's slower steps: the figures are step counts
         snap = ledger.snapshot()
         assert snap.total_mapped <= snap.budget
         if burst_done is None and all(r.is_finished() for r in burst):
             burst_done = n
+            a_left = sum(not r.is_finished() for r in backlog)
     everything = backlog + burst
     assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in everything)
     assert all(len(r.output_token_ids) == r.max_tokens for r in everything)
-    assert burst_done is not None and burst_done <= decode // 8, burst_done
-    assert sum(r.num_preemptions for r in backlog) > 0  # how A gave the memory back
+    # within the lifetime of A's longest requests, with most of A's backlog still to run
+    # (without the admission check's shortage signal, or with A admitting its backlog into
+    # the free blocks of the pages it should empty, B waits for nearly all of it)
+    assert burst_done is not None and burst_done <= decode, burst_done
+    assert a_left is not None and a_left >= len(backlog) // 2, a_left
     del a, b
     gc.collect()
     assert ledger.snapshot().records == ()
