@@ -19,7 +19,7 @@ share with work-conserving borrowing:
   no page that takes it beyond its share (``try_acquire``, ``headroom``), keeps no idle
   reserve beyond it (``reserve_target``) and asks its engine to give the pages above it
   back (``overage``, ``PageAllocator.shed_wanted``): cached KV is shed, and no new request
-  is admitted into the free blocks of those pages (``BlockLedger.admissible``); running
+  is admitted into the free blocks of those pages (``BlockLedger.withheld``); running
   requests still grow into free blocks of held pages (one that needs a new page beyond
   the share waits or is preempted, as under any limit). Pages that empty are unmapped,
   and the waiting instance maps them.
