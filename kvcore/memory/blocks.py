@@ -255,16 +255,12 @@ class BlockLedger:
             room -= self._bpp - self._capacity[short]
         return held_free + min(room, unheld)
 
-    def admissible(self) -> int:
-        """Blocks a *new* request may take now: ``available()`` less ``withheld()``. A
-        snapshot read without the lock, like ``available()``."""
-        return max(0, self.available() - self.withheld())
-
     def withheld(self) -> int:
-        """Free blocks that new requests may not take now: while the memory gate wants pages
-        in use back (``PageAllocator.shed_wanted()``: a limit lowered below use, or a share
-        exceeded while a neighbour waits), the free blocks of that many pages (all of them
-        when fewer are free). Requests already running keep growing into them
+        """Free blocks that new requests may not take now (what a new request may take is
+        ``available()`` less these): while the memory gate wants pages in use back
+        (``PageAllocator.shed_wanted()``: a limit lowered below use, or a share exceeded
+        while a neighbour waits), the free blocks of that many pages (all of them when fewer
+        are free). Requests already running keep growing into them
         (``available()`` counts them); new ones are not admitted into pages that should
         empty, so those pages drain as the running requests finish and their memory goes
         back. Taking them from running requests too (by preemption) thrashed between two
