@@ -930,6 +930,23 @@ def build_plan(args: Any, n_instances: int) -> Plan:
     return plan
 
 
+STOP_MARGIN_S = 30.0
+"""Left free at the end of ``--time-limit-s``: stopping every server, the last plots and the
+JSON (give the device call's own timeout some seconds more)."""
+PHASE_MARGIN_S = 15.0
+"""A phase starts only while its trace plus this much (its last requests' drain) is left."""
+SERVER_START_FLOOR_S = 60.0
+"""At most the quickest start of the servers seen on the H200 (docs/benchmarks.md)."""
+
+
+def least_time_limit(plan: Plan) -> float:
+    """The ``--time-limit-s`` below which not even the shortest phase could run after the
+    servers' start: ``SERVER_START_FLOOR_S``, that trace, ``PHASE_MARGIN_S`` and
+    ``STOP_MARGIN_S``. ``Run`` refuses a smaller limit before it starts anything."""
+    shortest = min(duration for _, duration, _ in plan.traces.values())
+    return SERVER_START_FLOOR_S + shortest + PHASE_MARGIN_S + STOP_MARGIN_S
+
+
 class Run:
     """One invocation: servers, samplers, phases, the JSON document and the plots."""
 
@@ -938,10 +955,17 @@ class Run:
         self.workdir = workdir
         self.clock0 = time.monotonic()
         self.deadline = self.clock0 + args.time_limit_s
+        self.plan = build_plan(args, len(args.models))
+        least = least_time_limit(self.plan)
+        if args.time_limit_s < least:
+            raise SystemExit(
+                f"--time-limit-s {args.time_limit_s:g} leaves no time for a phase: the "
+                f"servers' start (>= {SERVER_START_FLOOR_S:g} s), the shortest trace and its "
+                f"drain and the stop need at least {least:.0f} s"
+            )
         self.ledger_dir = workdir / "ledger"
         self.ledger_dir.mkdir(mode=0o700)
         self.instances = resolve_models(args.models, workdir)
-        self.plan = build_plan(args, len(self.instances))
         self.servers: list[Server] = []
         self.samplers: _Samplers | None = None
         self.nvml: Any = None
@@ -1135,14 +1159,13 @@ class Run:
         servers = {s.inst.name: s for s in self.servers if s.mode == mode}
         label = f"{mode} {plan.workload}" + (f" peak={peak:g}" if peak is not None else "")
         label += f" r{repeat}"
-        stop_margin = 60.0  # stopping every server, the last plot and JSON
-        left = self.deadline - time.monotonic() - stop_margin
+        left = self.deadline - time.monotonic() - STOP_MARGIN_S
         record: dict[str, Any] = {"mode": mode, "workload": plan.workload, "peak": peak,
                                   "repeat": repeat, "label": label}  # fmt: skip
         dead = [s.label for s in servers.values() if s.proc.poll() is not None]
         if dead:
             record["skipped"] = f"server(s) exited: {', '.join(dead)}"
-        elif trace_s + 15 > left:
+        elif trace_s + PHASE_MARGIN_S > left:
             record["skipped"] = f"{left:.0f} s left before --time-limit-s; trace is {trace_s:.0f} s"
         if "skipped" in record:
             self.phases.append(record)
@@ -1512,7 +1535,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--time-limit-s",
         type=float,
         default=540.0,
-        help="skip phases that would end later than this after the start (540)",
+        help="skip phases that would end later than this after the start, less 30 s to "
+        "stop (540); give the device call's timeout some seconds more",
     )
     return p
 

@@ -17,6 +17,9 @@ import numpy as np
 import pytest
 
 from benchmarks.vllm_colocate import (
+    PHASE_MARGIN_S,
+    SERVER_START_FLOOR_S,
+    STOP_MARGIN_S,
     BurstySpec,
     GiB,
     MiB,
@@ -24,10 +27,12 @@ from benchmarks.vllm_colocate import (
     Run,
     Slo,
     SteadySpec,
+    build_plan,
     bursty_trace,
     compare,
     kv_panel,
     kvtop_frame,
+    least_time_limit,
     ledger_sample,
     log_flags,
     meets,
@@ -485,3 +490,17 @@ def test_help_needs_neither_vllm_nor_aiohttp() -> None:
     assert out.returncode == 0, out.stderr
     assert "--workload {ramp,bursty,steady}" in out.stdout
     assert "LOADED []" in out.stdout
+
+
+def test_a_time_limit_too_short_for_any_phase_is_refused_before_servers_start(
+    tmp_path: Path,
+) -> None:
+    args = parse_args(["--out", "x.json", "--models", "llama-3-8b", "qwen3-0.6b", "--peak", "8"])
+    plan = build_plan(args, 2)
+    least = least_time_limit(plan)
+    trace_s = plan.traces[8.0][1]
+    assert least == SERVER_START_FLOOR_S + trace_s + PHASE_MARGIN_S + STOP_MARGIN_S
+    args.time_limit_s = least - 1
+    with pytest.raises(SystemExit, match=r"--time-limit-s .* at least"):
+        Run(args, tmp_path)
+    assert list(tmp_path.iterdir()) == []  # no ledger, no model dir, no server
