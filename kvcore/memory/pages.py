@@ -284,6 +284,8 @@ class PageAllocator:
         wants = getattr(self._gate, "note_wanted", None)  # optional beyond MemoryGate
         held_back = getattr(self._gate, "held_back", None)  # optional beyond MemoryGate
         self._held_back_fn: Callable[[], bool] | None = held_back if callable(held_back) else None
+        both = getattr(self._gate, "headroom_held_back", None)  # the two in one read
+        self._room_fn: Callable[[], tuple[int, bool]] | None = both if callable(both) else None
         # the gate's held_back() as last read (available(), each round): while set, acquire
         # puts no reserved or unmap-queued page back in use
         self._held_back = False
@@ -735,19 +737,26 @@ class PageAllocator:
         background mapper call (``acquire`` waits for those), and free pages the mapper's
         pool or the gate would still admit (``gate.headroom()`` where the gate has one);
         0 while the gate holds the instance back (``held_back()``, read here when the gate
-        has no room to give: a gate with room holds nobody back). An
+        has no room to give: a gate with room holds nobody back; both in one read where the
+        gate has ``headroom_held_back()``). An
         upper bound: the device itself may still run out. A snapshot read without the lock
         (engines ask before every allocation): a page a background round moves meanwhile
         may be missed or, once, counted twice. Raises ``PoolFailed`` once failed."""
         if self._failure is not None or self._closed:
             self._check_usable()
-        room = self._headroom() if self._headroom is not None else None
-        if isinstance(room, int) and room > 0:
-            self._held_back = False  # a gate with room holds nobody back: no second read
-        elif self._held_back_fn is not None:
-            self._held_back = bool(self._held_back_fn())
-            if self._held_back:  # idle pages are on their way back; the gate admits none
+        room: int | None
+        if self._room_fn is not None:  # one read of the gate for both
+            room, self._held_back = self._room_fn()
+            if self._held_back:
                 return 0
+        else:
+            room = self._headroom() if self._headroom is not None else None
+            if isinstance(room, int) and room > 0:
+                self._held_back = False  # a gate with room holds nobody back: no second read
+            elif self._held_back_fn is not None:
+                self._held_back = bool(self._held_back_fn())
+                if self._held_back:  # idle pages are on their way back; the gate admits none
+                    return 0
         free = len(self._free)
         if isinstance(room, int):
             free = min(free, self._pooled + max(room, 0) // self._page_bytes)

@@ -237,8 +237,10 @@ def test_giving_memory_back_ends_the_wait(ledger: GpuLedger, wall: FakeClock) ->
     assert take(a, 2) == 2 and take(b, 6) == 6
     assert not a.try_acquire(UNIT)
     assert b.headroom() == 0 and b.held_back(), "b yields to a"
+    assert b.headroom_held_back() == (0, True) and a.headroom_held_back() == (0, False)
     a.release(UNIT)  # a's requests finished: it waits for nothing now
     assert a.record().wanted_until == 0.0
     assert b.headroom() == UNIT and not b.held_back(), "b borrows again at once"
+    assert b.headroom_held_back() == (UNIT, False)
     assert not a.try_acquire(2 * UNIT), "a short again: marked at once, not a refresh later"
     assert a.record().wanted_until == wall() + WANT_HOLD_S

@@ -171,7 +171,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         claimed = self._claimed
         covered = len(claimed) + queued  # what no gate read is needed for, then the ledger's
         if num_blocks > covered + self.ledger.held_free() and (
-            num_blocks > covered + self.ledger.available()
+            num_blocks > covered + self._ledger_available()
         ):
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         if claimed:
@@ -215,13 +215,21 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             ids = self._ledger_alloc(num_blocks)
             if ids is not None:
                 return ids
-        want = min(num_blocks, self.ledger.available())
+        want = min(num_blocks, self._ledger_available())
         while want > 0:
             ids = self._ledger_alloc(want)
             if ids is not None:
                 return ids
             want //= 2
         return []
+
+    def _ledger_available(self) -> int:
+        """``ledger.available()`` as last read (module docstring: kept until the ledger
+        changes through this pool or a step begins), read now if not kept."""
+        available = self._available
+        if available is None:
+            available = self._available = self.ledger.available()
+        return available
 
     def _ledger_alloc(self, num_blocks: int) -> list[int] | None:
         """``ledger.alloc``; the kept ``available()`` figure is read again next time."""
@@ -389,11 +397,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         if self._logical_count:
             free = int(self.num_gpu_blocks) - self.ledger.used() + len(self._claimed)
             return free + self.num_cached_free_blocks()
-        available = self._available
-        if available is None:
-            available = self._available = self.ledger.available()
         queued: int = self.free_block_queue.num_free_blocks
-        return available + len(self._claimed) + queued
+        return self._ledger_available() + len(self._claimed) + queued
 
     def free_blocks_to_admit(self) -> int:
         """What a new request may take now (the patched admission check of
