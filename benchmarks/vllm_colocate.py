@@ -1535,8 +1535,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--time-limit-s",
         type=float,
         default=540.0,
-        help="skip phases that would end later than this after the start, less 30 s to "
-        "stop (540); give the device call's timeout some seconds more",
+        help=f"skip phases that would end later than this after the start, less "
+        f"{STOP_MARGIN_S:g} s to stop (540); give the device call's timeout some seconds more",
     )
     return p
 

@@ -285,7 +285,9 @@ class PageAllocator:
         held_back = getattr(self._gate, "held_back", None)  # optional beyond MemoryGate
         self._held_back_fn: Callable[[], bool] | None = held_back if callable(held_back) else None
         both = getattr(self._gate, "headroom_held_back", None)  # the two in one read
-        self._room_fn: Callable[[], tuple[int, bool]] | None = both if callable(both) else None
+        self._room: Callable[[], tuple[int | None, bool]] = (
+            both if callable(both) else self._room_in_two_reads
+        )
         # the gate's held_back() as last read (available(), each round): while set, acquire
         # puts no reserved or unmap-queued page back in use
         self._held_back = False
@@ -744,24 +746,23 @@ class PageAllocator:
         may be missed or, once, counted twice. Raises ``PoolFailed`` once failed."""
         if self._failure is not None or self._closed:
             self._check_usable()
-        room: int | None
-        if self._room_fn is not None:  # one read of the gate for both
-            room, self._held_back = self._room_fn()
-            if self._held_back:
-                return 0
-        else:
-            room = self._headroom() if self._headroom is not None else None
-            if isinstance(room, int) and room > 0:
-                self._held_back = False  # a gate with room holds nobody back: no second read
-            elif self._held_back_fn is not None:
-                self._held_back = bool(self._held_back_fn())
-                if self._held_back:  # idle pages are on their way back; the gate admits none
-                    return 0
+        room, self._held_back = self._room()
+        if self._held_back:  # idle pages are on their way back; the gate admits none
+            return 0
         free = len(self._free)
         if isinstance(room, int):
             free = min(free, self._pooled + max(room, 0) // self._page_bytes)
         inflight = len(self._bg_maps) + len(self._bg_unmaps)  # ``acquire`` waits for them
         return len(self._reserve) + len(self._unmap_queue) + free + inflight
+
+    def _room_in_two_reads(self) -> tuple[int | None, bool]:
+        """``(gate.headroom(), gate.held_back())`` for a gate without
+        ``headroom_held_back``: ``None`` room where it has no ``headroom``; ``held_back()``
+        read only when there is no room to give (a gate with room holds nobody back)."""
+        room = self._headroom() if self._headroom is not None else None
+        if isinstance(room, int) and room > 0:
+            return room, False
+        return room, self._held_back_fn() if self._held_back_fn is not None else False
 
     def stats(self) -> PageStats:
         """A consistent snapshot of page counts and mapper-call counters."""
