@@ -33,7 +33,13 @@ class ElasticConfig:
     as upstream). ``eviction``: radix-cache eviction order, ``"page-aware"`` (leaves that empty
     physical pages first) or ``"engine"`` (the engine's own order); ``None``: page-aware
     where the engine adapter can apply it safely, else the engine's order.
-    ``page_bytes``: physical page size (default: the smallest multiple of the
+    ``reclaim`` (with ``gpu_ledger`` or a limit): how pages the memory gate wants back
+    (``PageAllocator.shed_wanted``) come back once the cached blocks are gone:
+    ``"preempt"`` (default) preempts, each engine step, the running requests whose blocks
+    alone fill one such page, the fewest blocks first, so a waiting neighbour gets its share
+    within steps; ``"drain"`` only stops admitting new requests into those pages and lets
+    the running ones finish (no recomputation, but a neighbour waits about one request
+    lifetime). ``page_bytes``: physical page size (default: the smallest multiple of the
     backend granularity that holds whole SGLang pages). ``sanity``: map the zero page
     writable and check it at every transition (debugging).
     """
@@ -48,6 +54,7 @@ class ElasticConfig:
     reserve_max: int = 0
     max_cached_tokens: int | None = None
     eviction: str | None = None
+    reclaim: str = "preempt"
     page_bytes: int | None = None
     sanity: bool = False
 
@@ -105,6 +112,10 @@ class ElasticConfig:
             raise UnsupportedConfiguration(
                 f'--kvcore-config: eviction must be "page-aware" or "engine", got '
                 f"{kwargs['eviction']!r}"
+            )
+        if kwargs.get("reclaim", "preempt") not in ("preempt", "drain"):
+            raise UnsupportedConfiguration(
+                f'--kvcore-config: reclaim must be "preempt" or "drain", got {kwargs["reclaim"]!r}'
             )
         if not isinstance(kwargs.get("ledger_dir") or "", str):
             raise UnsupportedConfiguration("--kvcore-config: ledger_dir must be a path string")

@@ -18,14 +18,21 @@ share with work-conserving borrowing:
 * while some other instance waits, an instance **over its share yields**: its gate admits
   no page that takes it beyond its share (``try_acquire``, ``headroom``), keeps no idle
   reserve beyond it (``reserve_target``) and asks its engine to give the pages above it
-  back (``overage``, ``PageAllocator.shed_wanted``): cached KV is shed, and no new request
-  is admitted into the free blocks of those pages (``BlockLedger.withheld``); running
-  requests still grow into free blocks of held pages (one that needs a new page beyond
-  the share waits or is preempted, as under any limit). Pages that empty are unmapped,
-  and the waiting instance maps them.
+  back (``overage``, ``PageAllocator.shed_wanted``): cached KV is shed, no new request
+  is admitted into the free blocks of those pages (``BlockLedger.withheld``), and, with
+  the ``reclaim`` option ``"preempt"`` (the default), the engine preempts the running
+  requests that alone fill one such page, one page a step
+  (``BlockLedger.owners_emptying_page``; vLLM: ``ElasticBlockPool.requests_to_reclaim``);
+  with ``"drain"`` those pages empty as their requests finish. Running requests still
+  grow into free blocks of held pages (one that needs a new page beyond the share waits
+  or is preempted, as under any limit). Pages that empty are unmapped, and the waiting
+  instance maps them.
 
-An instance therefore gets about ``min(what it asks for, its share)`` within one request
-lifetime of the borrowers, and all the memory nobody else asks for. A mark expires
+An instance therefore gets about ``min(what it asks for, its share)`` within a few engine
+steps of the borrowers (``"drain"``: within one of their request lifetimes), and all the
+memory nobody else asks for. Nobody gives back below its share, so two instances that
+both want more than their shares settle at the shares instead of taking memory from each
+other in turn. A mark expires
 ``WANT_HOLD_S`` after the last refusal, so borrowing resumes by itself once the waiting
 instance has what it needs. An instance over its share never marks: among borrowers the
 first to map keeps what it holds.

@@ -39,13 +39,16 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 from kvcore.errors import GeometryError, InvalidTransition, PoolFailed
 from kvcore.memory.geometry import KVGeometry
 from kvcore.memory.pages import PageAllocator, PageState
 
 __all__ = ["BlockLedger"]
+
+K = TypeVar("K", bound=Hashable)
 
 _FREE = 0
 _ALLOCATED = 1
@@ -332,6 +335,48 @@ class BlockLedger:
         for ids in list(empties.values())[:pages]:
             out += ids
         return out
+
+    def owners_emptying_page(
+        self, owners: Mapping[K, Iterable[int]], evictable: Iterable[int] = ()
+    ) -> list[K]:
+        """The owners to free to empty one held page, the cheapest such page: ``owners``
+        maps whatever holds allocated blocks (an engine's running requests) to its block
+        ids; a page qualifies when every allocated block on it belongs to a listed owner or
+        is in ``evictable`` (cached, unreferenced blocks the engine evicts on its own), and
+        it costs the blocks its owners hold in all (what freeing them throws away). Returns
+        the chosen page's owners in ``owners``' order; ``[]`` when no page qualifies (each
+        holds a pinned block or one nobody listed holds, or only evictable blocks). What an
+        engine preempts to give back a page the memory gate wants (``reclaim``)."""
+        with self._lock:
+            state = self._state
+            bpp = self._bpp
+            nb = self._num_blocks
+            covered: dict[int, set[int]] = {}
+            held_by: dict[int, list[K]] = {}
+            cost: dict[K, int] = {}
+            for owner, ids in owners.items():
+                mine = {b for b in ids if 0 <= b < nb and state[b] == _ALLOCATED}
+                cost[owner] = len(mine)
+                for p in {b // bpp for b in mine}:
+                    held_by.setdefault(p, []).append(owner)
+                for b in mine:
+                    covered.setdefault(b // bpp, set()).add(b)
+            for b in evictable:
+                if 0 <= b < nb and state[b] == _ALLOCATED and b // bpp in held_by:
+                    covered[b // bpp].add(b)
+            best: tuple[int, int, int] | None = None
+            for p, blocks in covered.items():
+                if self._bucket_of[p] == _NOT_HELD or p not in held_by:
+                    continue
+                if len(blocks) != self._capacity[p] - len(self._stacks[p]):
+                    continue  # a block here that nobody listed holds, or a pinned one
+                key = (sum(cost[o] for o in held_by[p]), len(held_by[p]), p)
+                if best is None or key < best:
+                    best = key
+        if best is None:
+            return []
+        chosen = set(held_by[best[2]])
+        return [o for o in owners if o in chosen]
 
     def close(self) -> None:
         """Close the page allocator (unmaps every page). The ledger is unusable after."""

@@ -26,3 +26,10 @@ def test_deeply_nested_or_odd_backend_options_are_refused_by_name() -> None:
         ElasticConfig.parse({"backend_options": {"device_bytes": {"nested": [1]}}})
     with pytest.raises(UnsupportedConfiguration, match=r"backend_options\.granularity"):
         ElasticConfig.parse({"backend_options": {"granularity": 1 << 70}})
+
+
+def test_reclaim_takes_preempt_or_drain_and_refuses_others_by_name() -> None:
+    assert ElasticConfig.parse(None).reclaim == "preempt"
+    assert ElasticConfig.parse({"reclaim": "drain"}).reclaim == "drain"
+    with pytest.raises(UnsupportedConfiguration, match='reclaim must be "preempt" or "drain"'):
+        ElasticConfig.parse({"reclaim": "evict"})

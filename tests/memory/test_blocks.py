@@ -119,6 +119,34 @@ def test_pages_the_gate_wants_back_admit_no_new_request(backend: str) -> None:
         stack.close()
 
 
+def test_the_owners_to_free_for_a_page_are_those_of_the_cheapest_page_they_alone_fill(
+    stack: MemStack,
+) -> None:
+    """Three pages: p0 held by requests a (2 blocks) and b (2 blocks, 2 more on p1), p1 by b
+    and c (1 block) and one block nobody listed holds, p2 by d alone (4 blocks) and one
+    cached block. Freeing a and b empties p0 (cost 6 blocks), d empties p2 (cost 4, its
+    cached block evicted with it); p1 cannot be emptied by anyone listed."""
+    ledger = stack.ledger()
+    ids = ledger.alloc(3 * BPP)
+    assert ids is not None
+    p0, p1, p2 = (ids[i * BPP : (i + 1) * BPP] for i in range(3))
+    assert all(len(pages_of(ledger, p)) == 1 for p in (p0, p1, p2))  # one page each
+    ledger.free(p2[3:])  # p2: 3 allocated
+    owners = {
+        "a": p0[:2],
+        "b": p0[2:] + p1[:2],
+        "c": p1[2:3],  # p1[3] is held by nobody listed
+        "d": p2[:2],
+    }
+    # p2's third block is cached: only evictable, so d's page qualifies with it
+    assert ledger.owners_emptying_page(owners, evictable=p2[2:3]) == ["d"]
+    # without the cached block, p2 holds a block nobody listed: p0 is next (a and b)
+    assert ledger.owners_emptying_page(owners) == ["a", "b"]
+    # ids freed, pinned or out of range are ignored; nobody listed: nothing
+    assert ledger.owners_emptying_page({"x": [p2[3], -1, 10**6]}) == []
+    assert ledger.owners_emptying_page({}) == []
+
+
 def test_alloc_misses_when_the_device_runs_out_and_leaks_nothing(backend: str) -> None:
     stack = build_stack(
         backend, num_blocks=32, blocks_per_page=BPP, device_pages=2, background=False

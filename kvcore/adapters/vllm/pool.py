@@ -26,7 +26,10 @@ request waits, or a running one is preempted) instead of failing (invariant 2).
 below use (``kvctl limit``; ``PageAllocator.shed_wanted``): it evicts the cached blocks of
 whole pages, least recently used first, until the pages asked for are on their way back.
 ``step_done`` sheds every step; an idle engine core is woken to shed
-(``kvcore.adapters.vllm.idle``). When ``allocate_slots`` finds too few free blocks, the
+(``kvcore.adapters.vllm.idle``). What cached blocks cannot give back, running requests hold:
+the patched ``Scheduler.schedule`` asks ``requests_to_reclaim`` before each step and preempts
+the requests it names (those alone on one such page), unless the ``reclaim`` option is
+``"drain"``. When ``allocate_slots`` finds too few free blocks, the
 patched manager calls ``note_shortage``: a shortage of the shared GPU budget marks the
 instance as waiting (``kvcore.budget.shares``).
 
@@ -49,8 +52,8 @@ overlapping batches, ``kvcore.adapters.vllm.fence``) and, from ``Scheduler.shutd
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
@@ -62,6 +65,16 @@ from kvcore.memory.blocks import BlockLedger
 __all__ = ["ElasticBlockPool", "ElasticMiss"]
 
 log = logging.getLogger(__name__)
+
+
+class _Request(Protocol):
+    """What ``requests_to_reclaim`` reads of vLLM's ``Request``."""
+
+    @property
+    def request_id(self) -> str: ...
+
+
+R = TypeVar("R", bound=_Request)
 
 
 class ElasticMiss(KvcoreError, ValueError):
@@ -76,7 +89,9 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
     null block). ``max_cached_blocks`` bounds the evictable prefix cache (``None``: only
     the capacity bounds it, as upstream). ``step_fence``: the ledger's step fence, which
     ``step_scheduled`` / ``step_done`` drive (``None``: they do nothing); ``on_close``: what
-    ``close`` calls (release the kvcore memory behind the ledger). Other arguments are
+    ``close`` calls (release the kvcore memory behind the ledger);
+    ``reclaim_by_preemption``: whether ``requests_to_reclaim`` names requests (the
+    ``reclaim`` option, ``"preempt"``) or never does (``"drain"``). Other arguments are
     ``BlockPool``'s.
     """
 
@@ -90,6 +105,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         max_cached_blocks: int | None = None,
         step_fence: StepFence | None = None,
         on_close: Callable[[], None] | None = None,
+        reclaim_by_preemption: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(num_gpu_blocks, enable_caching, hash_block_size, *args, **kwargs)
@@ -102,6 +118,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self.ledger = ledger
         self.max_cached_blocks = max_cached_blocks
         self.step_fence = step_fence
+        self.reclaim_by_preemption = reclaim_by_preemption
         self._on_close = on_close
         self._logical_count = False  # get_num_free_blocks ignores the physical budget
         self._claimed: list[int] = []  # ledger blocks backed by claim_blocks, not yet handed out
@@ -301,6 +318,32 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         if evicted:
             log.debug("kvcore: shed %d cached blocks (%d pages asked)", evicted, pages)
         return evicted
+
+    def requests_to_reclaim(
+        self, running: Sequence[R], block_ids_of: Callable[[str], tuple[list[int], ...]]
+    ) -> list[R]:
+        """The running requests to preempt now so that one page the memory gate wants back
+        (``PageAllocator.shed_wanted``: a waiting neighbour's share, a lowered limit) empties:
+        those whose blocks alone fill a page, the page whose requests hold the fewest
+        blocks in all (``BlockLedger.owners_emptying_page``; cached blocks there are shed
+        after). ``running``: the scheduler's running requests; ``block_ids_of``: the KV cache
+        manager's ``get_block_ids``. ``[]`` when nothing is wanted back (a plain read, every
+        step), with ``reclaim`` ``"drain"``, or when no page is held by running requests
+        alone. The patched ``Scheduler.schedule`` calls it before it schedules anything and
+        preempts what it returns (vLLM's own preemption: the requests wait at the queue's
+        front and recompute): one page a step, so an instance gives back about what its
+        neighbour asks for rather than all its overage at once, and never goes below its
+        share or limit (``shed_wanted`` is 0 there)."""
+        if not self.reclaim_by_preemption or not running or self.ledger.pages.shed_wanted() <= 0:
+            return []
+        owners = {
+            i: [b for group in block_ids_of(r.request_id) for b in group]
+            for i, r in enumerate(running)
+        }
+        chosen = self.ledger.owners_emptying_page(owners, evictable=self._queued_ids())
+        if chosen:
+            log.debug("kvcore: preempting %d requests to give a page back", len(chosen))
+        return [running[i] for i in chosen]
 
     def _evict_queued(self, block_ids: list[int]) -> int:
         """Take the queued (ref-count-0, cached) blocks ``block_ids`` out of the queue, evict

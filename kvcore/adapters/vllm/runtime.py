@@ -260,6 +260,7 @@ def elastic_block_pool_class(kv_cache_config: Any) -> Any:
             ledger=memory.ledger,
             max_cached_blocks=max_cached,
             step_fence=memory.fence,
+            reclaim_by_preemption=memory.config.reclaim == "preempt",
             on_close=functools.partial(_close_quietly, memory),
             **kwargs,
         )

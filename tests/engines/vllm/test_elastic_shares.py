@@ -43,8 +43,8 @@ def _collect() -> Iterator[None]:
     gc.collect()  # pools close their kvcore memory when collected
 
 
-def _scheduler(ledger_dir: Path, num_blocks: int) -> Scheduler:
-    settings = host_settings(gpu_ledger=True, ledger_dir=str(ledger_dir))
+def _scheduler(ledger_dir: Path, num_blocks: int, reclaim: str = "preempt") -> Scheduler:
+    settings = host_settings(gpu_ledger=True, ledger_dir=str(ledger_dir), reclaim=reclaim)
     settings["backend_options"]["device_bytes"] = DEVICE
     return make_scheduler(num_blocks, max_num_seqs=32, kvcore=settings)
 
@@ -109,16 +109,19 @@ def test_a_borrowing_engine_gives_way_to_one_that_starts_later(tmp_path: Path) -
     ledger.close()
 
 
-def test_a_borrower_with_long_requests_gives_way_as_they_finish(tmp_path: Path) -> None:
+@pytest.mark.parametrize("reclaim", ["drain", "preempt"])
+def test_a_borrower_with_long_requests_gives_way(tmp_path: Path, reclaim: str) -> None:
     """A borrows the whole budget with requests that keep growing (one block every 16
     decode steps, up to ``decode`` steps each) and a large backlog; then B starts a burst.
-    A's running requests keep growing into the free blocks of its pages (taking those back
-    by preemption thrashed on the H200: docs/vllm.md, "Shares of a shared GPU"), but A
-    admits none of its backlog into the pages it should give back, so they drain and B's
-    burst is served within the lifetime of A's requests, not after A's backlog."""
+    A admits none of its backlog into the pages it should give back. With ``reclaim``
+    ``"drain"`` those pages empty as A's running requests finish, so B's burst is served
+    within the lifetime of A's requests, not after A's backlog; with ``"preempt"`` A
+    preempts the requests that alone fill such a page, one page a step, so B's burst is
+    served within a few of its own request lifetimes, and A recomputes only a few
+    requests."""
     decode = 400
-    a = _scheduler(tmp_path, 64 * BPP)
-    b = _scheduler(tmp_path, 48 * BPP)
+    a = _scheduler(tmp_path, 64 * BPP, reclaim)
+    b = _scheduler(tmp_path, 48 * BPP, reclaim)
     uuid = open_backend("host", 0, granularity=GRAN, device_bytes=DEVICE).device_uuid()
     ledger = GpuLedger.open(uuid, directory=tmp_path)
     idle = ledger.snapshot().total_mapped
@@ -162,6 +165,13 @@ def test_a_borrower_with_long_requests_gives_way_as_they_finish(tmp_path: Path) 
     # the free blocks of the pages it should empty, B waits for nearly all of it)
     assert burst_done is not None and burst_done <= decode, burst_done
     assert a_left is not None and a_left >= len(backlog) // 2, a_left
+    if reclaim == "preempt":
+        # one page a step, the requests alone on it preempted: B's 16 requests (a prefill
+        # and 4 decode steps each) are done within a few of their lifetimes, long before
+        # A's requests would have drained the pages (measured: 19 steps against 230)
+        assert burst_done <= 4 * BLOCK, burst_done
+    else:
+        assert burst_done > 4 * BLOCK, burst_done  # what preempting saves
     del a, b
     gc.collect()
     assert ledger.snapshot().records == ()
