@@ -291,10 +291,10 @@ class LedgerGate:
             RECORD.put(buf, base, "updated", self._wall())
             if not limit or now_mapped <= limit:
                 RECORD.put(buf, base, "flags", 0)
-            if nbytes and RECORD.get_float(buf, base, "wanted_until"):
-                # giving memory back, it waits for none now: a later shortage marks again
-                RECORD.put(buf, base, "wanted_until", 0.0)
-                self._last_want = -math.inf
+            # A waiting mark outlives releases: a waiting instance frees the pages of its
+            # own finished requests while its queue still wants more than it holds, and a
+            # mark cleared then lets the borrower take back (and re-admit into) what it
+            # just gave up. The mark ends WANT_HOLD_S after the last refusal.
             _HDR_TOTAL.pack_into(buf, _HDR_TOTAL_OFF, max(0, total - nbytes), self._generation(buf))
             rec = read_record(buf, self._slot) if self._on_change else None
         finally:

@@ -32,9 +32,11 @@ An instance therefore gets about ``min(what it asks for, its share)`` within a f
 steps of the borrowers (``"drain"``: within one of their request lifetimes), and all the
 memory nobody else asks for. Nobody gives back below its share, so two instances that
 both want more than their shares settle at the shares instead of taking memory from each
-other in turn. A mark expires
-``WANT_HOLD_S`` after the last refusal, so borrowing resumes by itself once the waiting
-instance has what it needs. An instance over its share never marks: among borrowers the
+other in turn. A mark expires ``WANT_HOLD_S`` after the last refusal, so borrowing resumes
+by itself once the waiting instance has what it needs. Releasing memory does not end it: a
+waiting instance frees the pages of its own finished requests while its queue still waits,
+and a borrower that grew back then would re-admit (and with ``"preempt"`` preempt again)
+what it had just given up. An instance over its share never marks: among borrowers the
 first to map keeps what it holds.
 
 Cost: the hot path of a gate reads one more header field (``wanted_until``); the records are

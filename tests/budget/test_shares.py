@@ -232,15 +232,26 @@ def test_a_block_ledger_says_it_waits_only_for_physical_memory(
         sb.close()
 
 
-def test_giving_memory_back_ends_the_wait(ledger: GpuLedger, wall: FakeClock) -> None:
+def test_a_waiting_instance_keeps_its_mark_while_it_releases(
+    ledger: GpuLedger, wall: FakeClock
+) -> None:
+    """Releasing is no sign that an instance waits for nothing: its finished requests free
+    pages while its queue still wants more. The mark ends WANT_HOLD_S after the last
+    refusal, not at a release, so the borrower does not take back what it just gave up."""
     a, b = gate(ledger, "a", wall), gate(ledger, "b", wall)
     assert take(a, 2) == 2 and take(b, 6) == 6
     assert not a.try_acquire(UNIT)
+    marked = a.record().wanted_until
     assert b.headroom() == 0 and b.held_back(), "b yields to a"
     assert b.headroom_held_back() == (0, True) and a.headroom_held_back() == (0, False)
-    a.release(UNIT)  # a's requests finished: it waits for nothing now
-    assert a.record().wanted_until == 0.0
-    assert b.headroom() == UNIT and not b.held_back(), "b borrows again at once"
-    assert b.headroom_held_back() == (UNIT, False)
-    assert not a.try_acquire(2 * UNIT), "a short again: marked at once, not a refresh later"
-    assert a.record().wanted_until == wall() + WANT_HOLD_S
+    a.release(UNIT)  # one of a's requests finished; its queue still waits
+    assert a.record().wanted_until == marked, "a release leaves the mark"
+    assert b.headroom_held_back() == (0, True), "b still may not grow into what a freed"
+    assert not b.try_acquire(UNIT)
+    b.release(2 * UNIT)  # b's pages above its share empty
+    assert take(a, 3) == 3, "a takes what it freed and what b gave back"
+    assert not a.try_acquire(UNIT), "the budget is full again"
+    assert a.record().wanted_until == marked, "at its share a no longer renews the mark"
+    wall.advance(WANT_HOLD_S + 0.01)
+    a.release(UNIT)
+    assert b.headroom_held_back() == (UNIT, False), "the mark expired: b borrows again"
