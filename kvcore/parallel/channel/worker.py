@@ -290,11 +290,14 @@ class WorkerListener:
             if not isinstance(message, Request):
                 raise MalformedMessage(f"expected a Request, got {type(message).__name__}")
             reply = self._apply(message)
-            send_message(conn, reply)
             if message.op is Op.CLOSE:
+                # stopped before the reply goes out: a coordinator that has the reply finds
+                # the listener closed, never about to close
                 self._closed.set()
+                send_message(conn, reply)
                 _shutdown_quiet(self._listen)
                 return
+            send_message(conn, reply)
 
     # ------------------------------------------------------------------ transitions
 
