@@ -112,6 +112,8 @@ DEFAULT_MODELS = ("llama-3-8b", "llama-3.2-3b", "qwen3-0.6b")
 SMOKE_MODELS = ("qwen3-0.6b", "llama-3.2-3b")
 WARMUP_INDEX = 1_000_000
 """Request index of the warm-up prompts (no trace reaches it: their prompts are new)."""
+CLIENT_KEEPALIVE_S = 2.0
+"""A client drops a connection idle this long, before vLLM's server closes it (5 s)."""
 GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
 """vLLM gauges sampled every second per server (summed over labels)."""
 COUNTERS = ("vllm:num_preemptions_total", "vllm:generation_tokens_total")
@@ -682,7 +684,10 @@ async def _run_client(
                     counts[1 if rec["ok"] else 2] += 1
 
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=read_timeout)
-    connector = aiohttp.TCPConnector(limit=0)
+    # vLLM's server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s); aiohttp
+    # keeps idle ones 15 s by default, so a request could go out on a connection the server
+    # is closing and fail with "Connection reset by peer". Drop idle connections first.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         for req in reqs:
             rec: dict[str, Any] = {
