@@ -35,13 +35,15 @@ class ElasticConfig:
     where the engine adapter can apply it safely, else the engine's order.
     ``reclaim`` (with ``gpu_ledger`` or a limit): how pages the memory gate wants back
     (``PageAllocator.shed_wanted``) come back once the cached blocks are gone:
-    ``"preempt"`` (default) preempts, each engine step, the running requests whose blocks
-    alone fill one such page, the fewest blocks first, so a waiting neighbour gets its share
-    within steps; ``"drain"`` only stops admitting new requests into those pages and lets
-    the running ones finish (no recomputation, but a neighbour waits about one request
-    lifetime). ``page_bytes``: physical page size (default: the smallest multiple of the
-    backend granularity that holds whole SGLang pages). ``sanity``: map the zero page
-    writable and check it at every transition (debugging).
+    ``"preempt"`` preempts, each engine step, the running requests whose blocks alone fill
+    one such page, the fewest blocks first, so a waiting neighbour gets its share within
+    steps (an engine whose scheduler has no such seam refuses it at start-up);
+    ``"drain"`` only stops admitting new requests into those pages and lets the running
+    ones finish (no recomputation, but a neighbour waits about one request lifetime);
+    ``None`` (default): ``"preempt"`` where the engine's scheduler has the seam (vLLM
+    0.33.0's patch 0011), else ``"drain"``. ``page_bytes``: physical page size (default:
+    the smallest multiple of the backend granularity that holds whole SGLang pages).
+    ``sanity``: map the zero page writable and check it at every transition (debugging).
     """
 
     backend: str = "cuda"
@@ -54,7 +56,7 @@ class ElasticConfig:
     reserve_max: int = 0
     max_cached_tokens: int | None = None
     eviction: str | None = None
-    reclaim: str = "preempt"
+    reclaim: str | None = None
     page_bytes: int | None = None
     sanity: bool = False
 
@@ -113,7 +115,7 @@ class ElasticConfig:
                 f'--kvcore-config: eviction must be "page-aware" or "engine", got '
                 f"{kwargs['eviction']!r}"
             )
-        if kwargs.get("reclaim", "preempt") not in ("preempt", "drain"):
+        if kwargs.get("reclaim") not in (None, "preempt", "drain"):
             raise UnsupportedConfiguration(
                 f'--kvcore-config: reclaim must be "preempt" or "drain", got {kwargs["reclaim"]!r}'
             )

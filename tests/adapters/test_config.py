@@ -29,7 +29,8 @@ def test_deeply_nested_or_odd_backend_options_are_refused_by_name() -> None:
 
 
 def test_reclaim_takes_preempt_or_drain_and_refuses_others_by_name() -> None:
-    assert ElasticConfig.parse(None).reclaim == "preempt"
+    assert ElasticConfig.parse(None).reclaim is None  # the engine's seam decides
+    assert ElasticConfig.parse({"reclaim": "preempt"}).reclaim == "preempt"
     assert ElasticConfig.parse({"reclaim": "drain"}).reclaim == "drain"
     with pytest.raises(UnsupportedConfiguration, match='reclaim must be "preempt" or "drain"'):
         ElasticConfig.parse({"reclaim": "evict"})

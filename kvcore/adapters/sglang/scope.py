@@ -59,7 +59,9 @@ class ElasticScope:
     ``ElasticConfig``. Managers created inside stay alive after the scope closes (the pools
     use them) and are closed by ``close()`` or at interpreter exit. ``agreement``: how this
     rank agrees allocation outcomes with its peers (``kvcore.parallel.agreement``); by default the
-    attention-TP CPU group when a physical budget is set at TP > 1, else none.
+    attention-TP CPU group when a physical budget is set at TP > 1, else none. Raises
+    ``UnsupportedConfiguration`` for ``reclaim`` ``"preempt"``: SGLang's scheduler has no
+    seam to preempt for a neighbour, so its pages drain.
     """
 
     def __init__(
@@ -70,6 +72,12 @@ class ElasticScope:
         agreement: RankAgreement | None = None,
     ) -> None:
         self.config = config if isinstance(config, ElasticConfig) else ElasticConfig.parse(config)
+        if self.config.reclaim == "preempt":
+            raise UnsupportedConfiguration(
+                '--kvcore-config reclaim="preempt": SGLang\'s scheduler has no seam to '
+                "preempt the requests an elastic pool names",
+                hint='drop "reclaim" (pages then drain as their requests finish) or set "drain"',
+            )
         self.device_index = device_index
         self.agreement = agreement
         self._agreed: Agreement | None = None

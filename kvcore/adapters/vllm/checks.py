@@ -8,8 +8,11 @@ half elastic: an unsupported setting fails at start-up, never falls back silentl
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
+from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.vllm.groups import (
     engine_layout,
     engine_row_bytes,
@@ -18,7 +21,13 @@ from kvcore.adapters.vllm.groups import (
 )
 from kvcore.errors import UnsupportedConfiguration
 
-__all__ = ["check_kv_cache_config", "check_vllm_config"]
+__all__ = [
+    "check_elastic_config",
+    "check_kv_cache_config",
+    "check_vllm_config",
+    "resolved_reclaim",
+    "scheduler_preempts_to_reclaim",
+]
 
 
 def check_vllm_config(vllm_config: Any, kv_cache_config: Any) -> None:
@@ -56,6 +65,39 @@ def check_vllm_config(vllm_config: Any, kv_cache_config: Any) -> None:
             hint="drop --kv-transfer-config / --kv-offloading-size, or --kvcore-elastic",
         )
     check_kv_cache_config(kv_cache_config)
+
+
+@functools.cache
+def scheduler_preempts_to_reclaim() -> bool:
+    """Whether this vLLM's ``Scheduler.schedule`` preempts the requests an elastic pool's
+    ``requests_to_reclaim`` names (the series' patch 0011: vLLM 0.33.0); without it, pages a
+    neighbour's share or a lowered limit wants back drain as their requests finish. Read
+    from the installed scheduler's source, once; ``False`` when it has none."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    try:
+        return "requests_to_reclaim" in inspect.getsource(Scheduler.schedule)
+    except (OSError, TypeError):
+        return False
+
+
+def resolved_reclaim(config: ElasticConfig) -> str:
+    """``config.reclaim`` as this engine applies it: ``None`` becomes ``"preempt"`` where the
+    scheduler has the seam (``scheduler_preempts_to_reclaim``), else ``"drain"``."""
+    if config.reclaim is not None:
+        return config.reclaim
+    return "preempt" if scheduler_preempts_to_reclaim() else "drain"
+
+
+def check_elastic_config(config: ElasticConfig) -> None:
+    """Raise ``UnsupportedConfiguration`` for ``--kvcore-config`` keys this vLLM cannot
+    apply: ``reclaim`` ``"preempt"`` on a release whose series has no preemption seam."""
+    if config.reclaim == "preempt" and not scheduler_preempts_to_reclaim():
+        raise UnsupportedConfiguration(
+            '--kvcore-config reclaim="preempt": this vLLM\'s scheduler has no seam to '
+            "preempt requests an elastic pool names (kvcore's patch 0011, vLLM 0.33.0 only)",
+            hint='drop "reclaim" (pages then drain as their requests finish) or set "drain"',
+        )
 
 
 def check_kv_cache_config(kv_cache_config: Any) -> None:

@@ -46,7 +46,11 @@ from typing import Any
 import torch
 
 from kvcore.adapters.config import ElasticConfig
-from kvcore.adapters.vllm.checks import check_vllm_config
+from kvcore.adapters.vllm.checks import (
+    check_elastic_config,
+    check_vllm_config,
+    resolved_reclaim,
+)
 from kvcore.adapters.vllm.groups import engine_row_bytes, pad_for_pages
 from kvcore.adapters.vllm.memory import (
     RELEASE_FENCE,
@@ -182,13 +186,15 @@ def elastic_settings(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
 
     Called by the engine core once the KV cache configuration is known, before any worker
     allocates. Raises ``UnsupportedConfiguration`` naming the first setting elastic mode does
-    not support (``checks.check_vllm_config``) or a malformed ``--kvcore-config``;
+    not support (``checks.check_vllm_config``, ``checks.check_elastic_config``) or a
+    malformed ``--kvcore-config``;
     ``GeometryError`` when no page can hold a block row. When vLLM's block row tiles no
     page exactly, ``kv_cache_config`` is re-strided in place to kvcore's padded row
     (``groups.pad_for_pages``: fewer blocks in the same bytes), which is why this must run
     before the scheduler's config is derived."""
     raw = getattr(vllm_config.cache_config, "kvcore_config", None)
     config = ElasticConfig.parse(raw)
+    check_elastic_config(config)
     check_vllm_config(vllm_config, kv_cache_config)
     before = (kv_cache_config.num_blocks, engine_row_bytes(kv_cache_config))
     stride = pad_for_pages(
@@ -207,6 +213,13 @@ def elastic_settings(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
             "kvcore: %d -> %d blocks (whole pages in every layer's region)",
             before[0],
             kv_cache_config.num_blocks,
+        )
+    if config.gpu_ledger or config.limit_bytes is not None:
+        log.info(
+            "kvcore: pages a waiting neighbour or a lowered limit wants back: %s",
+            "running requests alone on them are preempted"
+            if resolved_reclaim(config) == "preempt"
+            else "they drain as their requests finish",
         )
     settings = settings_dict(config)
     settings[RELEASE_FENCE] = _overlapping_batches(vllm_config)
@@ -260,7 +273,7 @@ def elastic_block_pool_class(kv_cache_config: Any) -> Any:
             ledger=memory.ledger,
             max_cached_blocks=max_cached,
             step_fence=memory.fence,
-            reclaim_by_preemption=memory.config.reclaim == "preempt",
+            reclaim_by_preemption=resolved_reclaim(memory.config) == "preempt",
             on_close=functools.partial(_close_quietly, memory),
             **kwargs,
         )

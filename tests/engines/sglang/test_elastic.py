@@ -197,6 +197,17 @@ def test_bad_config_is_named() -> None:
     assert ElasticConfig.parse(None).backend == "cuda"
 
 
+def test_preempting_to_reclaim_is_refused_at_start_up() -> None:
+    """SGLang's scheduler has no seam to preempt for a neighbour: asking for it fails when
+    the scope opens, before any pool exists; the default and "drain" open."""
+    from kvcore.adapters.sglang import ElasticScope
+
+    with pytest.raises(UnsupportedConfiguration, match='reclaim="preempt"'):
+        ElasticScope({"backend": "host", "reclaim": "preempt"})
+    for config in ({"backend": "host"}, {"backend": "host", "reclaim": "drain"}):
+        ElasticScope(config).close()
+
+
 @pytest.mark.skipif(not PATCHED, reason="fork only")
 def test_server_args_flag_in_help() -> None:
     from sglang.srt.server_args import ServerArgs

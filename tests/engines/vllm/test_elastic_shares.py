@@ -28,6 +28,7 @@ from harness.vllm.scheduler import (
     step,
 )
 from kvcore.adapters.vllm import memory_for
+from kvcore.adapters.vllm.checks import scheduler_preempts_to_reclaim
 from kvcore.adapters.vllm.pool import ElasticBlockPool
 from kvcore.budget.gate import BudgetGate
 from kvcore.budget.ledger import GpuLedger
@@ -43,7 +44,7 @@ def _collect() -> Iterator[None]:
     gc.collect()  # pools close their kvcore memory when collected
 
 
-def _scheduler(ledger_dir: Path, num_blocks: int, reclaim: str = "preempt") -> Scheduler:
+def _scheduler(ledger_dir: Path, num_blocks: int, reclaim: str | None = None) -> Scheduler:
     settings = host_settings(gpu_ledger=True, ledger_dir=str(ledger_dir), reclaim=reclaim)
     settings["backend_options"]["device_bytes"] = DEVICE
     return make_scheduler(num_blocks, max_num_seqs=32, kvcore=settings)
@@ -109,7 +110,18 @@ def test_a_borrowing_engine_gives_way_to_one_that_starts_later(tmp_path: Path) -
     ledger.close()
 
 
-@pytest.mark.parametrize("reclaim", ["drain", "preempt"])
+@pytest.mark.parametrize(
+    "reclaim",
+    [
+        "drain",
+        pytest.param(
+            "preempt",
+            marks=pytest.mark.skipif(
+                not scheduler_preempts_to_reclaim(), reason="no patch 0011 in this series"
+            ),
+        ),
+    ],
+)
 def test_a_borrower_with_long_requests_gives_way(tmp_path: Path, reclaim: str) -> None:
     """A borrows the whole budget with requests that keep growing (one block every 16
     decode steps, up to ``decode`` steps each) and a large backlog; then B starts a burst.
@@ -199,3 +211,28 @@ def test_kv_cache_usage_counts_the_engines_own_blocks_not_the_budget() -> None:
         step(scheduler)
     assert pool.get_usage() == 0.0
     memory.close()
+
+
+def test_preempting_to_reclaim_needs_the_scheduler_seam() -> None:
+    """Patch 0011 (0.33.0 only) lets the scheduler preempt for a neighbour. Where the series
+    has it, "preempt" is the default; elsewhere the default drains and an explicit
+    "preempt" is refused at start-up, naming the key."""
+    import vllm
+
+    from kvcore.adapters.config import ElasticConfig
+    from kvcore.adapters.vllm.checks import check_elastic_config, resolved_reclaim
+    from kvcore.errors import UnsupportedConfiguration
+
+    seam = vllm.__version__.startswith("0.33.0")
+    assert scheduler_preempts_to_reclaim() is seam
+    default, drain = ElasticConfig.parse(None), ElasticConfig.parse({"reclaim": "drain"})
+    assert resolved_reclaim(default) == ("preempt" if seam else "drain")
+    assert resolved_reclaim(drain) == "drain"
+    check_elastic_config(default)
+    check_elastic_config(drain)
+    preempt = ElasticConfig.parse({"reclaim": "preempt"})
+    if seam:
+        check_elastic_config(preempt)
+    else:
+        with pytest.raises(UnsupportedConfiguration, match='reclaim="preempt"'):
+            check_elastic_config(preempt)
