@@ -254,6 +254,30 @@ def split_member(f: Path, limit: int) -> list[Path]:
     return pieces
 
 
+CALL_MIB = 64
+"""What one device call carries: the checkout and the part together."""
+CHECKOUT_MARGIN_MIB = 2
+"""Left for the checkout to grow (results, docs) between building a bundle and using it."""
+
+
+def checkout_bytes(root: Path) -> int:
+    """Bytes of what a device call carries from the checkout at ``root``: tracked files and
+    untracked ones git does not ignore."""
+    listed = subprocess.run(
+        ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    paths = (root / name for name in listed.decode().split("\0") if name)
+    return sum(p.stat().st_size for p in paths if p.is_file())
+
+
+def default_part_mib(checkout: int) -> int:
+    """The largest part a call can carry beside a checkout of ``checkout`` bytes, less
+    ``CHECKOUT_MARGIN_MIB``."""
+    return CALL_MIB - -(-checkout // (1 << 20)) - CHECKOUT_MARGIN_MIB
+
+
 def _pack(files: list[Path], out: Path, limit: int) -> list[list[Path]]:
     """First-fit-decreasing into parts of at most ``limit`` bytes each (a larger file goes
     in pieces, ``split_member``)."""
@@ -286,11 +310,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--part-mib",
         type=int,
-        default=56,
-        help="part size limit: a call carries 64 MiB with the checkout (about 4 MiB) "
-        "included; a larger file goes in pieces",
+        default=None,
+        help=f"part size limit (default: {CALL_MIB} MiB a call carries, less this checkout "
+        f"and {CHECKOUT_MARGIN_MIB} MiB for it to grow); a larger file goes in pieces",
     )
     args = parser.parse_args(argv)
+    if args.part_mib is None:
+        args.part_mib = default_part_mib(checkout_bytes(Path(__file__).resolve().parents[1]))
+        print(f"vllm_bundle: parts of at most {args.part_mib} MiB")
     missing = missing_modules()
     if missing:  # before the resolution and the downloads, not after them
         install = " && ".join(f"{sys.executable} -m {LOCAL_MODULES[m]}" for m in missing)

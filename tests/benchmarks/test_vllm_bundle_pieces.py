@@ -65,3 +65,25 @@ def test_only_the_pinned_wheels_of_the_cache_are_bundled(tmp_path: Path) -> None
         "Annotated_Types-0.8.0-py3-none-any.whl",
         "anthropic-2.15.0-py3-none-any.whl",
     ]
+
+
+def test_parts_leave_room_for_the_checkout_a_call_carries_with_them(tmp_path: Path) -> None:
+    """A device call carries 64 MiB, the checkout included: the default part size is what
+    is left beside the checkout (tracked and untracked files, never ignored ones), less a
+    margin for it to grow."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (repo / ".gitignore").write_text(".vdev/\n")
+    (repo / "tracked.bin").write_bytes(b"\0" * (3 << 20))
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "c"], check=True)
+    (repo / "untracked.bin").write_bytes(b"\0" * (1 << 20))
+    (repo / ".vdev").mkdir()
+    (repo / ".vdev" / "part-1.tar").write_bytes(b"\0" * (5 << 20))  # ignored: not carried
+    carried = vllm_bundle.checkout_bytes(repo)
+    assert carried == (4 << 20) + len(".vdev/\n")
+    part = vllm_bundle.default_part_mib(carried)
+    assert part == vllm_bundle.CALL_MIB - 5 - vllm_bundle.CHECKOUT_MARGIN_MIB
+    assert (part << 20) + carried <= vllm_bundle.CALL_MIB << 20
