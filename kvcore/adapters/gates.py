@@ -35,12 +35,15 @@ def open_gate(
     backend: VmmBackend | None = None,
     channel_dir: str | Path | None = None,
     world_size: int = 1,
+    give_back: str = "all",
 ) -> MemoryGate:
     """The gate ``config`` asks for (module docstring), for instance ``name`` of ``engine``.
 
     With ``gpu_ledger`` the ledger record(s) are registered now: on ``backend``'s device, or,
     when ``channel_dir`` is given, for each of ``world_size`` ranks on the device that rank
-    published there (``kvcore.budget.rank_gates.publish_device``). The caller owns the gate
+    published there (``kvcore.budget.rank_gates.publish_device``); ``give_back``: what a
+    ledger gate asks back for a waiting neighbour (``LedgerGate``: ``"all"`` above the share
+    for an engine that drains, ``"asked"`` for one that preempts). The caller owns the gate
     and closes it (removing the records). Raises ``LedgerError`` when a ledger cannot be
     opened or refuses the record, ``ChannelError`` when a rank's device file is missing, and
     ``ValueError`` when ``gpu_ledger`` is set but neither ``backend`` nor ``channel_dir``
@@ -61,6 +64,7 @@ def open_gate(
             engine_version=engine_version,
             limit=limit,
             share=share,
+            give_back=give_back,
             directory=directory,
         )
     if backend is None:
@@ -74,5 +78,6 @@ def open_gate(
         engine_version=engine_version,
         limit=limit,
         share=share,
+        give_back=give_back,
         directory=directory,
     )

@@ -515,6 +515,7 @@ class GpuLedger:
                 "updated": now,
                 "share": share,
                 "wanted_until": 0.0,
+                "wanted_bytes": 0,
                 **encoded,
             }
             clear_record(buf, free_slot)

@@ -18,6 +18,7 @@ File layout (little-endian, fixed size, version ``LAYOUT_VERSION``)::
                         device ordinal, limit + limit revision, mapped bytes, reserve bytes,
                         trim deadline, refusal count, registration and last update times,
                         share (0: an equal share of the budget), until when it waits
+                        and how many bytes it still asks for
 
 Invariants every writer keeps (under the exclusive lock): the header's ``total_mapped`` is
 the sum of the active records' ``mapped``; every change a reader may care about bumps
@@ -72,7 +73,7 @@ FILE_PREFIX = "kvcore-gpu-"
 FILE_SUFFIX = ".ledger"
 
 MAGIC = b"KVCLEDGR"
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 """1: no shares. 2: records carry ``share`` and ``wanted_until``, the header
 ``wanted_until`` (``kvcore.budget.shares``)."""
 CAPACITY = 64
@@ -192,6 +193,7 @@ RECORD = Layout(
         ("model", "128s"),
         ("share", "Q"),
         ("wanted_until", "d"),
+        ("wanted_bytes", "Q"),
     ],
     _RECORD_SIZE,
 )
@@ -257,6 +259,9 @@ class InstanceRecord:
     wanted_until: float = 0.0
     """Wall-clock time until which the instance counts as waiting for memory below its
     share (0: never waited)."""
+    wanted_bytes: int = 0
+    """While it waits: the bytes it was refused and has not mapped since (what borrowers
+    give back for it, ``kvcore.budget.shares``)."""
     yielding: bool = False
     """Refused memory beyond its share at its last request because another instance waits."""
     liveness: Liveness = Liveness.LIVE
@@ -370,6 +375,7 @@ def read_record(buf: mmap.mmap, slot: int) -> InstanceRecord:
         updated=v["updated"],
         share=v["share"],
         wanted_until=v["wanted_until"],
+        wanted_bytes=v["wanted_bytes"],
         yielding=bool(v["flags"] & Flag.YIELDING),
     )
 

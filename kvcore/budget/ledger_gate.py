@@ -115,21 +115,29 @@ class LedgerGate:
         device: int = 0,
         limit: int = 0,
         share: int = 0,
+        give_back: str = "all",
         mem_info: Callable[[], MemInfo] | None = None,
         on_change: Callable[[InstanceRecord], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         """Register instance ``name`` in ``ledger`` (``GpuLedger.register``). ``limit`` is
-        bytes (0: none), ``share`` bytes (0: an equal part of the budget); ``mem_info`` (the
+        bytes (0: none), ``share`` bytes (0: an equal part of the budget); ``give_back``:
+        what ``overage`` asks for while another instance waits, ``"all"`` above the share
+        (an engine that drains pages: every one must start emptying at once) or
+        ``"asked"`` (an engine that preempts to empty pages within steps: only what the
+        waiting instances ask for, so little is given back for nobody); ``mem_info`` (the
         backend's) lets the gate publish the device's free memory; ``on_change`` is called
         with a fresh record after each change (metrics), and once more at ``close`` with
         nothing mapped. ``clock`` (seconds, only differences matter) spaces the periodic
         work (module docstring); ``wall_clock`` (seconds since the epoch, as every process
         on the machine reads it) stamps the record's ``updated``, and is what a trim
         deadline and the waiting marks of shares are compared with.
-        Raises ``LedgerError`` if the name is taken by a live instance or the ledger is
+        Raises ``ValueError`` for another ``give_back`` (nothing registered), ``LedgerError``
+        if the name is taken by a live instance or the ledger is
         full, and as ``GpuLedger.register``."""
+        if give_back not in ("all", "asked"):  # before the record exists
+            raise ValueError(f'give_back must be "all" or "asked", got {give_back!r}')
         self.ledger = ledger
         self.name = name
         self._reg = ledger.register(
@@ -146,6 +154,7 @@ class LedgerGate:
         self._base = record_offset(self._slot)
         self._mem_info = mem_info
         self._on_change = on_change
+        self._give_back_asked = give_back == "asked"
         self._clock = clock
         self._wall = wall_clock
         self._last_sweep = -math.inf  # clock readings of the last sweep, publication, log
@@ -167,6 +176,7 @@ class LedgerGate:
         model: str = "",
         limit: int = 0,
         share: int = 0,
+        give_back: str = "all",
         on_change: Callable[[InstanceRecord], None] | None = None,
         directory: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -189,6 +199,7 @@ class LedgerGate:
                 device=backend.device,
                 limit=limit,
                 share=share,
+                give_back=give_back,
                 mem_info=backend.mem_info,
                 on_change=on_change,
                 clock=clock,
@@ -241,8 +252,10 @@ class LedgerGate:
                     RECORD.put(buf, base, "flags", int(Flag.OVER_LIMIT))
                 if not by_limit:  # the budget refused: below its share, this one waits
                     now = self._wall()
-                    if contention(buf, self._slot, budget, now).share > mapped:
-                        mark_wanted(buf, self._slot, now + WANT_HOLD_S)
+                    share = contention(buf, self._slot, budget, now).share
+                    if share > mapped:
+                        asked = min(nbytes, share - mapped)
+                        mark_wanted(buf, self._slot, now + WANT_HOLD_S, asked, now)
                         self._last_want = self._clock()
                 return False, not by_limit
             waits = self._others_wait(buf, budget)
@@ -353,11 +366,13 @@ class LedgerGate:
         return self.headroom_held_back()[0]
 
     def overage(self) -> int:
-        """Bytes this instance uses (mapped less its idle reserve) beyond its limit, or
-        beyond its share while another instance below its share waits: what a limit
-        lowered below use (``kvctl limit``) or a waiting neighbour asks it to give back; 0
-        otherwise, and while the ledger is busy. A lowered GPU budget asks nobody in
-        particular: it only refuses new memory until the total falls under it. Beyond the
+        """Bytes to give back: what this instance uses (mapped less its idle reserve)
+        beyond its limit (``kvctl limit`` lowered below use), or, while another instance
+        below its share waits, its use beyond its share (``give_back="asked"``: at most its
+        part of what the waiting instances ask for beyond the budget's free bytes,
+        ``Contention.give_back``); 0 otherwise, and while the ledger is busy. A lowered GPU
+        budget asks nobody in particular: it only refuses new memory until the total falls
+        under it. Beyond the
         ``MemoryGate`` protocol: the page allocator reads it once per background round.
         Raises ``LedgerError`` when the record was removed."""
         try:
@@ -365,13 +380,16 @@ class LedgerGate:
         except LedgerBusy:
             return 0  # shed nothing on a reading the ledger cannot confirm
         try:
-            mapped, reserve, limit, _, budget, _ = self._figures(buf)
+            mapped, reserve, limit, total, budget, _ = self._figures(buf)
             waits = self._others_wait(buf, budget)
         finally:
             self._unlock()
         over = mapped - reserve - limit if limit else 0
-        if waits is not None:
-            over = max(over, mapped - reserve - waits.share)
+        if waits is not None:  # the idle reserve goes first (reserve_target), then this
+            above = mapped - reserve - waits.share
+            if self._give_back_asked:
+                above = min(above, waits.give_back(mapped, budget - total))
+            over = max(over, above)
         return max(0, over)
 
     def held_back(self) -> bool:
@@ -429,8 +447,10 @@ class LedgerGate:
             if total + nbytes <= budget:
                 return  # the budget has room: the shortage is not another instance's doing
             wall = self._wall()
-            if contention(buf, self._slot, budget, wall).share > mapped:
-                mark_wanted(buf, self._slot, wall + WANT_HOLD_S)
+            share = contention(buf, self._slot, budget, wall).share
+            if share > mapped:
+                asked = min(nbytes, share - mapped)
+                mark_wanted(buf, self._slot, wall + WANT_HOLD_S, asked, wall)
         finally:
             self._unlock()
 

@@ -90,11 +90,13 @@ class RankLedgerGates:
         engine_version: str = "",
         limit: int = 0,
         share: int = 0,
+        give_back: str = "all",
         directory: Path | None = None,
     ) -> RankLedgerGates:
         """Register ``<name>-rank<r>`` for every rank in the ledger of its device (created
-        when absent), each with instance limit ``limit`` bytes (0: none) and share ``share``
-        bytes (0: an equal part of its GPU's budget). Raises
+        when absent), each with instance limit ``limit`` bytes (0: none), share ``share``
+        bytes (0: an equal part of its GPU's budget) and ``give_back`` (``LedgerGate``).
+        Raises
         ``ChannelError`` for a missing or malformed device file, ``LedgerError`` as
         ``LedgerGate``; what was registered is removed again on failure."""
         gates: list[LedgerGate] = []
@@ -113,6 +115,7 @@ class RankLedgerGates:
                         device=device,
                         limit=limit,
                         share=share,
+                        give_back=give_back,
                     )
                 )
         except BaseException:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -36,12 +37,9 @@ def ledger() -> Iterator[GpuLedger]:
     led.close()
 
 
-def gate(
-    led: GpuLedger, name: str, wall: FakeClock, *, limit: int = 0, share: int = 0
-) -> LedgerGate:
-    return LedgerGate(
-        led, name=name, engine="test", limit=limit, share=share, clock=wall, wall_clock=wall
-    )
+def gate(led: GpuLedger, name: str, wall: FakeClock, **options: Any) -> LedgerGate:
+    """A gate on the test's clock; ``options``: ``limit``, ``share``, ``give_back``."""
+    return LedgerGate(led, name=name, engine="test", clock=wall, wall_clock=wall, **options)
 
 
 def take(g: LedgerGate, units: int) -> int:
@@ -255,3 +253,61 @@ def test_a_waiting_instance_keeps_its_mark_while_it_releases(
     wall.advance(WANT_HOLD_S + 0.01)
     a.release(UNIT)
     assert b.headroom_held_back() == (UNIT, False), "the mark expired: b borrows again"
+
+
+def test_a_borrower_that_preempts_gives_back_what_is_asked(
+    ledger: GpuLedger, wall: FakeClock
+) -> None:
+    """``give_back="asked"`` (an engine that preempts to empty pages): the borrower is asked
+    for what the waiting instance was refused beyond the budget's free bytes, again as the
+    waiting instance maps it and asks on, never for everything above its share; "all" asks
+    for everything above it (an engine that drains)."""
+    a = gate(ledger, "a", wall, give_back="asked")
+    b = gate(ledger, "b", wall)
+    assert take(a, 8) == 8
+    assert not b.try_acquire(UNIT)
+    assert b.record().wanted_bytes == UNIT
+    assert a.overage() == UNIT, "what b asks for, not the 4 units above a's share"
+    assert a.headroom() == 0 and a.reserve_target(8 * UNIT) == 0
+    a.release(UNIT)
+    assert a.overage() == 0, "the budget's free unit covers b's ask"
+    assert not a.try_acquire(UNIT), "what a frees is for b while b waits"
+    assert b.try_acquire(UNIT)
+    assert a.overage() == UNIT, "b mapped it: its ask stands while its mark lasts"
+    assert not b.try_acquire(2 * UNIT)
+    assert b.record().wanted_bytes == 2 * UNIT, "the larger ask"
+    assert a.overage() == 2 * UNIT
+    assert not b.try_acquire(5 * UNIT)
+    assert b.record().wanted_bytes == 3 * UNIT, "at most what takes b to its share"
+    assert a.overage() == 3 * UNIT, "all a holds above its share"
+    with pytest.raises(ValueError, match="give_back"):
+        gate(ledger, "c", wall, give_back="some")
+    assert ledger.snapshot().find("c") is None, "refused before it registered"
+
+
+def test_borrowers_give_back_what_is_asked_split_by_how_far_over_they_are(
+    wall: FakeClock,
+) -> None:
+    """Three instances, shares of 4 units: c, below its share, asks for 2 units more than
+    the full budget has. The borrowers that preempt give back those 2 units between them, a
+    (2 over) twice what b (1 over) gives, not everything above their shares; while they lie
+    free nobody is asked for more, and nobody grows into them either."""
+    led = GpuLedger.open("GPU-shares-three", device_total=64 * UNIT)
+    led.set_budget(12 * UNIT)
+    try:
+        a, b = (gate(led, n, wall, give_back="asked") for n in "ab")
+        c = gate(led, "c", wall)
+        assert take(a, 6) == 6 and take(b, 5) == 5 and take(c, 1) == 1
+        assert not c.try_acquire(2 * UNIT)
+        give_a, give_b = a.overage(), b.overage()
+        assert 2 * UNIT <= give_a + give_b <= 2 * UNIT + 2, "what c asked for, not 3 units"
+        assert abs(give_a - 2 * give_b) <= 2, "in proportion to 2 and 1 units over"
+        a.release(UNIT)
+        b.release(UNIT)
+        assert a.overage() == 0 and b.overage() == 0, "the free 2 units cover c's ask"
+        assert not a.try_acquire(UNIT) and not b.try_acquire(UNIT), "held while c waits"
+        assert not c.try_acquire(8 * UNIT)
+        assert c.record().wanted_bytes == 3 * UNIT, "at most what takes c to its share"
+        assert a.overage() + b.overage() >= UNIT, "c's 3 units less the 2 free"
+    finally:
+        led.close()

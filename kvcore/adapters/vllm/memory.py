@@ -42,6 +42,7 @@ import torch
 
 from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.gates import open_gate
+from kvcore.adapters.vllm.checks import resolved_reclaim
 from kvcore.adapters.vllm.fence import FencedBlockLedger, StepFence, fenced_ledger
 from kvcore.adapters.vllm.groups import family_layout
 from kvcore.budget.gate import MemoryGate
@@ -54,7 +55,14 @@ from kvcore.memory.teardown import CloseOnce, PartFailure
 from kvcore.vmm import open_backend
 from kvcore.vmm.base import VmmBackend
 
-__all__ = ["RELEASE_FENCE", "ElasticKVMemory", "KVMemory", "engine_options", "settings_dict"]
+__all__ = [
+    "RELEASE_FENCE",
+    "ElasticKVMemory",
+    "KVMemory",
+    "engine_options",
+    "give_back_for",
+    "settings_dict",
+]
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +258,15 @@ def _open_gate(
         engine="vllm",
         engine_version=str(vllm.__version__),
         backend=backend,
+        give_back=give_back_for(config),
     )
+
+
+def give_back_for(config: ElasticConfig) -> str:
+    """What this instance's ledger gate asks back for a waiting neighbour: a scheduler that
+    preempts to empty pages gives back what is asked, as it is taken; one that drains must
+    start emptying every page above its share at once (``LedgerGate``)."""
+    return "asked" if resolved_reclaim(config) == "preempt" else "all"
 
 
 def _shutdown_error(failed: Sequence[PartFailure]) -> KvcoreError:

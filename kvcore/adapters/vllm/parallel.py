@@ -58,7 +58,7 @@ from kvcore.adapters.config import ElasticConfig
 from kvcore.adapters.gates import open_gate
 from kvcore.adapters.vllm.fence import FencedBlockLedger, StepFence, fenced_ledger
 from kvcore.adapters.vllm.groups import engine_row_bytes, family_layout
-from kvcore.adapters.vllm.memory import KVMemory, engine_options
+from kvcore.adapters.vllm.memory import KVMemory, engine_options, give_back_for
 from kvcore.budget.gate import MemoryGate
 from kvcore.budget.rank_gates import publish_device
 from kvcore.errors import ChannelError, PoolFailed, UnsupportedConfiguration, WorkersMissing
@@ -288,6 +288,7 @@ def _open_gate(
         engine_version=version,
         channel_dir=parallel.channel_dir,
         world_size=parallel.world_size,
+        give_back=give_back_for(config),
     )
 
 
