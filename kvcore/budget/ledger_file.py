@@ -75,7 +75,7 @@ FILE_SUFFIX = ".ledger"
 MAGIC = b"KVCLEDGR"
 LAYOUT_VERSION = 3
 """1: no shares. 2: records carry ``share`` and ``wanted_until``, the header
-``wanted_until`` (``kvcore.budget.shares``)."""
+``wanted_until`` (``kvcore.budget.shares``). 3: records carry ``wanted_bytes``."""
 CAPACITY = 64
 """Instance slots per GPU ledger."""
 MAX_BYTES = 1 << 56
@@ -260,8 +260,8 @@ class InstanceRecord:
     """Wall-clock time until which the instance counts as waiting for memory below its
     share (0: never waited)."""
     wanted_bytes: int = 0
-    """While it waits: the bytes it was refused and has not mapped since (what borrowers
-    give back for it, ``kvcore.budget.shares``)."""
+    """While it waits: the largest refusal since its mark went live, at most what takes it
+    to its share (what preempting borrowers give back for it, ``kvcore.budget.shares``)."""
     yielding: bool = False
     """Refused memory beyond its share at its last request because another instance waits."""
     liveness: Liveness = Liveness.LIVE

@@ -134,8 +134,8 @@ class LedgerGate:
         on the machine reads it) stamps the record's ``updated``, and is what a trim
         deadline and the waiting marks of shares are compared with.
         Raises ``ValueError`` for another ``give_back`` (nothing registered), ``LedgerError``
-        if the name is taken by a live instance or the ledger is
-        full, and as ``GpuLedger.register``."""
+        if the name is taken by a live instance or the ledger is full, and as
+        ``GpuLedger.register``."""
         if give_back not in ("all", "asked"):  # before the record exists
             raise ValueError(f'give_back must be "all" or "asked", got {give_back!r}')
         self.ledger = ledger
@@ -250,13 +250,8 @@ class LedgerGate:
                 RECORD.put(buf, base, "denied", denied + 1)
                 if limit and mapped > limit:
                     RECORD.put(buf, base, "flags", int(Flag.OVER_LIMIT))
-                if not by_limit:  # the budget refused: below its share, this one waits
-                    now = self._wall()
-                    share = contention(buf, self._slot, budget, now).share
-                    if share > mapped:
-                        asked = min(nbytes, share - mapped)
-                        mark_wanted(buf, self._slot, now + WANT_HOLD_S, asked, now)
-                        self._last_want = self._clock()
+                if not by_limit and self._mark_if_below_share(buf, mapped, budget, nbytes):
+                    self._last_want = self._clock()  # the budget refused: this one waits
                 return False, not by_limit
             waits = self._others_wait(buf, budget)
             if waits is not None and mapped + nbytes > waits.share:  # stay at the share
@@ -372,8 +367,8 @@ class LedgerGate:
         part of what the waiting instances ask for beyond the budget's free bytes,
         ``Contention.give_back``); 0 otherwise, and while the ledger is busy. A lowered GPU
         budget asks nobody in particular: it only refuses new memory until the total falls
-        under it. Beyond the
-        ``MemoryGate`` protocol: the page allocator reads it once per background round.
+        under it. Beyond the ``MemoryGate`` protocol: the page allocator reads it once per
+        background round.
         Raises ``LedgerError`` when the record was removed."""
         try:
             buf = self._enter(exclusive=False)
@@ -446,13 +441,19 @@ class LedgerGate:
                 return  # its own limit: nobody else's memory would help
             if total + nbytes <= budget:
                 return  # the budget has room: the shortage is not another instance's doing
-            wall = self._wall()
-            share = contention(buf, self._slot, budget, wall).share
-            if share > mapped:
-                asked = min(nbytes, share - mapped)
-                mark_wanted(buf, self._slot, wall + WANT_HOLD_S, asked, wall)
+            self._mark_if_below_share(buf, mapped, budget, nbytes)
         finally:
             self._unlock()
+
+    def _mark_if_below_share(self, buf: mmap.mmap, mapped: int, budget: int, nbytes: int) -> bool:
+        """Mark this instance waiting for ``nbytes`` (at most what takes it to its share)
+        when it maps less than its share; whether it did. Caller holds the exclusive lock."""
+        now = self._wall()
+        share = contention(buf, self._slot, budget, now).share
+        if share <= mapped:
+            return False
+        mark_wanted(buf, self._slot, now + WANT_HOLD_S, min(nbytes, share - mapped), now)
+        return True
 
     def _others_wait(self, buf: mmap.mmap, budget: int) -> Contention | None:
         """This instance's share when another instance below its own share waits now;

@@ -25,8 +25,8 @@ share with work-conserving borrowing:
   instances ask for beyond the budget's free bytes, in proportion to how far each borrower
   is over its share (``Contention.give_back``). Cached KV is shed, no new request
   is admitted into the free blocks of those pages (``BlockLedger.withheld``), and, with
-  the ``reclaim`` option ``"preempt"`` (the default), the engine preempts the running
-  requests that alone fill one such page, one page a step
+  the ``reclaim`` option ``"preempt"`` (the default where the engine has the seam), the
+  engine preempts the running requests that alone fill one such page, one page a step
   (``BlockLedger.owners_emptying_page``; vLLM: ``ElasticBlockPool.requests_to_reclaim``);
   with ``"drain"`` those pages empty as their requests finish. Running requests still
   grow into free blocks of held pages (one that needs a new page beyond the share waits
