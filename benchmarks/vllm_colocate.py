@@ -40,6 +40,11 @@ instance its own arrival process; ``python -m benchmarks.vllm_colocate --help`` 
   random initial phase) and, while ON, gamma-renewal arrivals at ``--burst-rate`` req/s
   (shape ``--gamma-shape``; < 1 is burstier than Poisson); lognormal prompt and output
   lengths (medians ``--prompt-median`` / ``--output-median``, sigma ``--length-sigma``).
+* ``handoff``: two models; the donor (first) gets one burst that frees its KV at once when
+  it ends, while the receiver (second) is refused for more than the budget leaves it
+  (``HandoffSpec``). Per elastic phase, ``handoff`` in the JSON: from the donor's last
+  request's end to its pages' release and to the receiver's first map of the freed bytes
+  (``handoff_summary``; sample the ledger finely, ``--ledger-interval 0.005``).
 * ``steady``: the first model alone, ``--steady-requests`` requests at ``--steady-rate``
   req/s (0: all at once, vLLM's ``--request-rate inf``): single-model saturation, what
   elastic KV costs when there is nothing to share.
@@ -78,6 +83,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -107,7 +113,7 @@ from benchmarks.vllm_servers import (  # stdlib only at import
 GiB = 1 << 30
 MiB = 1 << 20
 MODES = ("elastic", "static")
-WORKLOADS = ("ramp", "bursty", "steady")
+WORKLOADS = ("ramp", "bursty", "steady", "handoff")
 DEFAULT_MODELS = ("llama-3-8b", "llama-3.2-3b", "qwen3-0.6b")
 SMOKE_MODELS = ("qwen3-0.6b", "llama-3.2-3b")
 WARMUP_INDEX = 1_000_000
@@ -187,6 +193,86 @@ class SteadySpec:
     @property
     def duration(self) -> float:
         return 0.0 if self.rate <= 0 else self.requests / self.rate
+
+
+@dataclass(frozen=True)
+class HandoffSpec:
+    """Two instances: the donor (instance 0) gets ``donor_requests`` identical requests at
+    t = 0, sized so that prompt plus output fill whole blocks they took at prefill (no
+    growth while decoding); the receiver (instance 1) gets ``receiver_requests`` at
+    ``receiver_start_s``, more than the budget leaves it, so it is refused when the donor's
+    requests end together and free their KV at once."""
+
+    donor_requests: int = 40
+    donor_prompt: int = 2033
+    donor_output: int = 15
+    receiver_start_s: float = 0.5
+    receiver_requests: int = 120
+    receiver_prompt: int = 1024
+    receiver_output: int = 1024
+    tail_s: float = 15.0
+
+    @property
+    def duration(self) -> float:
+        return self.receiver_start_s + self.tail_s
+
+
+def handoff_trace(spec: HandoffSpec) -> list[Request]:
+    """The donor's burst at t = 0, then the receiver's at ``spec.receiver_start_s``."""
+    donor = [Request(0.0, 0, i, spec.donor_prompt, spec.donor_output)
+             for i in range(spec.donor_requests)]  # fmt: skip
+    receiver = [Request(spec.receiver_start_s, 1, i, spec.receiver_prompt, spec.receiver_output)
+                for i in range(spec.receiver_requests)]  # fmt: skip
+    return donor + receiver
+
+
+def handoff_summary(
+    records: Sequence[Mapping[str, Any]], samples: Sequence[Mapping[str, Any]], t_start: float,
+    donor: str, receiver: str,
+) -> dict[str, Any]:  # fmt: skip
+    """The live handoff in one elastic phase (times in ms after the donor's last request
+    ended, as its client saw it; ``t_start`` is the phase's start on the samples' clock):
+    when the donor's mapped bytes fell to within 10 % of their floor (``released_ms``), when
+    the receiver first mapped more than it held then (``first_map_ms``) and when it held 90 %
+    of the freed bytes more (``took_90_ms``). ``None`` where it did not happen or the samples
+    do not cover it. A negative time: the engine freed before its last chunk reached the
+    client."""
+    ends = [t_start + r["t_sent"] + r["latency"] for r in records
+            if r["instance"] == donor and r["ok"]]  # fmt: skip
+    out: dict[str, Any] = {"donor": donor, "receiver": receiver, "donor_finished": len(ends)}
+    rows = [x for x in samples if donor in x["instances"] and receiver in x["instances"]]
+    if not ends or not rows:
+        return out
+    t_end = max(ends)
+    before = [x for x in rows if x["t"] <= t_end]
+    after = [x for x in rows if x["t"] > t_end]
+    if not before or not after:
+        return out
+    at = before[-1]
+    held = at["instances"][donor]["mapped"]
+    recv0 = at["instances"][receiver]["mapped"]
+    floor = min(x["instances"][donor]["mapped"] for x in after)
+    freed = held - floor
+
+    def first(pred: Callable[[Mapping[str, Any]], bool]) -> float | None:
+        # the sample before t_end counts too: the engine may free before the client sees it
+        for x in [at, *after]:
+            if pred(x["instances"]):
+                return round((x["t"] - t_end) * 1000.0, 1)
+        return None
+
+    gaps = sorted(b["t"] - a["t"] for a, b in itertools.pairwise(rows))
+    out.update(
+        end_spread_ms=round((t_end - min(ends)) * 1000.0, 1),
+        donor_peak=max(x["instances"][donor]["mapped"] for x in rows),
+        donor_held_at_end=held, donor_floor=floor, freed=freed,
+        receiver_at_end=recv0, budget_free_at_end=at["budget"] - at["total_mapped"],
+        released_ms=first(lambda i: i[donor]["mapped"] <= floor + 0.1 * freed) if freed else None,
+        first_map_ms=first(lambda i: i[receiver]["mapped"] > recv0) if freed else None,
+        took_90_ms=first(lambda i: i[receiver]["mapped"] >= recv0 + 0.9 * freed) if freed else None,
+        sample_interval_ms=round(gaps[len(gaps) // 2] * 1000.0, 2) if gaps else None,
+    )  # fmt: skip
+    return out
 
 
 def _rngs(seed: int, n: int, salt: int) -> list[np.random.Generator]:
@@ -927,6 +1013,9 @@ def build_plan(args: Any, n_instances: int) -> Plan:
                 max_prompt=args.max_model_len // 2, max_output=args.max_model_len // 4,
             )  # fmt: skip
             trace, duration = bursty_trace(spec), spec.duration
+        elif args.workload == "handoff":
+            spec = HandoffSpec()
+            trace, duration = handoff_trace(spec), spec.duration
         else:
             spec = SteadySpec(args.steady_requests, args.steady_rate, args.seed,
                               args.input_len, args.output_len)  # fmt: skip
@@ -1251,6 +1340,10 @@ class Run:
         if gone:
             record["servers_exited"] = {g: servers[g.split("/", 1)[1]].log_tail() for g in gone}
             self.say(f"{label}: server(s) exited during the phase: {', '.join(gone)}")
+        if plan.workload == "handoff" and mode == "elastic":
+            record["handoff"] = handoff_summary(records, self.samplers.ledger,
+                                                record["t_start"], used[0], used[1])  # fmt: skip
+            self.say(f"{label} handoff: {record['handoff']}")
         if not args.keep_itl:
             for r in records:
                 r.pop("itl", None)
@@ -1574,6 +1667,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             args.drain_s = STEADY_DRAIN_S
     elif len(args.models) < 2:
         parser.error("co-location needs at least 2 models (steady runs one)")
+    elif args.workload == "handoff" and len(args.models) != 2:
+        parser.error("handoff needs 2 models: the donor, then the receiver")
     for s in args.steer:
         try:
             parse_steer(s)

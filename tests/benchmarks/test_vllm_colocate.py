@@ -22,6 +22,7 @@ from benchmarks.vllm_colocate import (
     STOP_MARGIN_S,
     BurstySpec,
     GiB,
+    HandoffSpec,
     MiB,
     RampSpec,
     Run,
@@ -30,6 +31,8 @@ from benchmarks.vllm_colocate import (
     build_plan,
     bursty_trace,
     compare,
+    handoff_summary,
+    handoff_trace,
     kv_panel,
     kvtop_frame,
     least_time_limit,
@@ -488,7 +491,7 @@ def test_help_needs_neither_vllm_nor_aiohttp() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
-    assert "--workload {ramp,bursty,steady}" in out.stdout
+    assert "--workload {ramp,bursty,steady,handoff}" in out.stdout
     assert "LOADED []" in out.stdout
 
 
@@ -504,3 +507,51 @@ def test_a_time_limit_too_short_for_any_phase_is_refused_before_servers_start(
     with pytest.raises(SystemExit, match=r"--time-limit-s .* at least"):
         Run(args, tmp_path)
     assert list(tmp_path.iterdir()) == []  # no ledger, no model dir, no server
+
+
+def test_handoff_trace_sends_the_donor_burst_then_the_receiver() -> None:
+    spec = HandoffSpec()
+    trace = handoff_trace(spec)
+    donor = [r for r in trace if r.instance == 0]
+    receiver = [r for r in trace if r.instance == 1]
+    assert len(donor) == spec.donor_requests and {r.t for r in donor} == {0.0}
+    assert {r.t for r in receiver} == {spec.receiver_start_s}
+    # prompt and output end inside the block the prefill took: no growth while decoding
+    block = 16
+    assert -(-(spec.donor_prompt + spec.donor_output) // block) == -(-spec.donor_prompt // block)
+
+
+def _sample(t: float, donor: int, receiver: int, budget: int = 21 * GiB) -> dict[str, Any]:
+    return {
+        "t": t,
+        "budget": budget,
+        "total_mapped": donor + receiver,
+        "instances": {"a": {"mapped": donor}, "b": {"mapped": receiver}},
+    }
+
+
+def test_handoff_summary_times_release_and_take_over_from_the_last_end() -> None:
+    records = [
+        {"instance": "a", "ok": True, "t_sent": 0.0, "latency": lat} for lat in (2.99, 3.0)
+    ] + [{"instance": "b", "ok": True, "t_sent": 0.5, "latency": 9.0}]
+    t_start = 10.0  # the donor's last end: 13.0 on the samples' clock
+    samples = [
+        _sample(12.99, 10 * GiB, 11 * GiB),
+        _sample(13.02, 10 * GiB, 11 * GiB),
+        _sample(13.05, 1 * GiB, 11 * GiB),
+        _sample(13.06, MiB, 11 * GiB + 64 * MiB),
+        _sample(13.2, MiB, 20 * GiB),
+    ]
+    got = handoff_summary(records, samples, t_start, "a", "b")
+    assert got["donor_finished"] == 2 and got["end_spread_ms"] == 10.0
+    assert got["donor_held_at_end"] == 10 * GiB and got["freed"] == 10 * GiB - MiB
+    assert got["released_ms"] == 50.0  # 1 GiB is within 10 % of the freed bytes
+    assert got["first_map_ms"] == 60.0
+    assert got["took_90_ms"] == 200.0
+    assert got["budget_free_at_end"] == 0
+
+
+def test_handoff_summary_without_samples_after_the_end_says_nothing() -> None:
+    records = [{"instance": "a", "ok": True, "t_sent": 0.0, "latency": 3.0}]
+    got = handoff_summary(records, [_sample(12.0, GiB, GiB)], 10.0, "a", "b")
+    assert got == {"donor": "a", "receiver": "b", "donor_finished": 1}
