@@ -261,17 +261,21 @@ def handoff_summary(
                 return round((x["t"] - t_end) * 1000.0, 1)
         return None
 
-    gaps = sorted(b["t"] - a["t"] for a, b in itertools.pairwise(rows))
+    gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(rows)]
     out.update(
         end_spread_ms=round((t_end - min(ends)) * 1000.0, 1),
         donor_peak=max(x["instances"][donor]["mapped"] for x in rows),
         donor_held_at_end=held, donor_floor=floor, freed=freed,
         receiver_at_end=recv0, budget_free_at_end=at["budget"] - at["total_mapped"],
-        released_ms=first(lambda i: i[donor]["mapped"] <= floor + 0.1 * freed) if freed else None,
-        first_map_ms=first(lambda i: i[receiver]["mapped"] > recv0) if freed else None,
-        took_90_ms=first(lambda i: i[receiver]["mapped"] >= recv0 + 0.9 * freed) if freed else None,
-        sample_interval_ms=round(gaps[len(gaps) // 2] * 1000.0, 2) if gaps else None,
+        released_ms=None, first_map_ms=None, took_90_ms=None,
+        sample_interval_ms=_ms(percentile(gaps, 50)),
     )  # fmt: skip
+    if freed:  # nothing freed: nothing was handed off
+        out.update(
+            released_ms=first(lambda i: i[donor]["mapped"] <= floor + 0.1 * freed),
+            first_map_ms=first(lambda i: i[receiver]["mapped"] > recv0),
+            took_90_ms=first(lambda i: i[receiver]["mapped"] >= recv0 + 0.9 * freed),
+        )
     return out
 
 
