@@ -200,8 +200,16 @@ def allocator_instance(name: str, budget_uuid: str, steps: Any, results: Any) ->
     held: list[int] = []
     while (step := steps.get(timeout=60)) != "stop":
         if step == "fill":
-            while (ids := stack.pages.acquire(1)) is not None:
-                held += ids
+            # until the budget refuses: a miss on a ledger busy past the gate's short lock
+            # wait (a loaded machine) is retried, so the outcome never depends on timing
+            for _ in range(1000):
+                ids = stack.pages.acquire(1)
+                if ids is not None:
+                    held += ids
+                    continue
+                snap = gate.ledger.snapshot()  # waits for the lock as long as it takes
+                if snap.budget_setting - snap.total_mapped < stack.pages.page_bytes:
+                    break
         elif step == "drop":
             stack.pages.release(held)
             held.clear()
