@@ -143,9 +143,9 @@ class PageThreadHold:
         self._hold()
         self.inner.map(page_ids)
 
-    def prepare_unmap(self, page_ids: Sequence[int]) -> None:
+    def prepare_unmap(self, page_ids: Sequence[int], *, synchronize: bool = True) -> None:
         self._hold()
-        self.inner.prepare_unmap(page_ids)
+        self.inner.prepare_unmap(page_ids, synchronize=synchronize)
 
     def __getattr__(self, name: str) -> Any:  # the rest of the PageMapper protocol
         return getattr(self.inner, name)

@@ -157,10 +157,11 @@ class LocalPageMapper:
                     self._pages[p].handles = handles[i * hpp : (i + 1) * hpp]
             self._transact(ids, _BACKED, _ZERO, _MAPPED_S, _UNBACKED_S)
 
-    def prepare_unmap(self, page_ids: Sequence[int]) -> None:
-        """``PageMapper.prepare_unmap``: wait for the device (outside the lock), then put
-        the zero page back under every slot of ``page_ids``, keeping their handles. Raises
-        like ``map``; after a clean rollback the pages are still mapped."""
+    def prepare_unmap(self, page_ids: Sequence[int], *, synchronize: bool = True) -> None:
+        """``PageMapper.prepare_unmap``: wait for the device (outside the lock; skipped with
+        ``synchronize=False``, whose caller vouches for an earlier wait), then put the zero
+        page back under every slot of ``page_ids``, keeping their handles. Raises like
+        ``map``; after a clean rollback the pages are still mapped."""
         with self._lock:
             if self._closed or self._failed is not None:
                 self._usable()
@@ -171,7 +172,8 @@ class LocalPageMapper:
                 self._sanity()
         # no kernel submitted so far still reads these pages once this returns; waited for
         # outside the lock, so a map of other pages meanwhile never waits for the device
-        self.backend.synchronize()
+        if synchronize:
+            self.backend.synchronize()
         with self._lock:
             if self._closed or self._failed is not None:
                 self._usable()

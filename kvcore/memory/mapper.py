@@ -22,9 +22,13 @@ Transitions (the allocator's ``PageState`` diagram in ``kvcore.memory.pages`` dr
     ``OutOfDeviceMemory`` when physical memory ran out (the caller treats it as a miss),
     ``PageQuarantined`` when a rollback itself failed (those pages are never handed out
     again), ``PoolFailed`` when the mapper can no longer vouch for its state.
-``prepare_unmap(ids)``
+``prepare_unmap(ids, synchronize=True)``
     mapped -> unmap prepared. Synchronises the device so no running kernel reads the pages,
-    replaces their mappings with the read-only zero page, keeps the physical handles. The
+    replaces their mappings with the read-only zero page, keeps the physical handles.
+    ``synchronize=False`` lets the mapper skip the wait: the caller vouches that a
+    synchronize made after these pages left use has already returned (the page allocator
+    unmaps a round's pages in chunks and waits for the device once, in the first chunk's
+    prepare); a mapper may wait anyway (the channel coordinator's workers do). The
     page allocator's background thread calls it while another thread may call ``map`` on
     other pages, so a mapper must accept that; ``LocalPageMapper`` waits for the device
     outside its lock, so such a ``map`` does not wait for the device (the channel
@@ -96,8 +100,9 @@ class PageMapper(Protocol):
         """Back ``page_ids`` with physical memory, all or nothing."""
         ...
 
-    def prepare_unmap(self, page_ids: Sequence[int]) -> None:
-        """Phase one of unmap: zero-page the mappings, keep the handles."""
+    def prepare_unmap(self, page_ids: Sequence[int], *, synchronize: bool = True) -> None:
+        """Phase one of unmap: wait for the device (unless ``synchronize=False``, module
+        docstring), zero-page the mappings, keep the handles."""
         ...
 
     def commit_unmap(self, page_ids: Sequence[int]) -> None:

@@ -30,6 +30,15 @@ background thread too, so an unmap's wait for the device never lands on the sche
 thread. Only when the reserve and the pages waiting to be unmapped cannot cover a request
 does ``acquire`` map on the calling thread.
 
+Giving memory back progressively. The driver's cost of an unmap is per mapping, whatever
+its size (tens of microseconds for each handle's unmap, zero-page grant and release), so a
+round that unmaps gigabytes of small handles takes hundreds of milliseconds. A round
+therefore unmaps its pages in chunks that double from one page id, waiting for the device
+once (in the first chunk's ``prepare_unmap``: every page of the round left use before it)
+and settling the gate after each chunk: another instance sharing the budget can map the
+first bytes after one page's driver calls, and this instance's own ``acquire`` waiting for
+pages in flight retries after each chunk.
+
 Background rounds. The background thread's work comes in *rounds*: read the gate's
 ``reserve_target`` (and ``overage``, where it has one), map a refill batch for the reserve,
 unmap the queued surplus, release pooled handles when asked to (and all of them while over
@@ -338,6 +347,7 @@ class PageAllocator:
         # UNMAPPING): capacity an acquire waits for rather than misses (invariant 2)
         self._bg_maps: list[int] = []
         self._bg_unmaps: list[int] = []
+        self._bg_progress = 0  # background mapper calls (or unmap chunks) finished so far
         self._failure: str | None = None
         self._failure_cause: BaseException | None = None
         self._closed = False
@@ -898,18 +908,19 @@ class PageAllocator:
         reserve.sort(reverse=True)
 
     def _wait_for_background_locked(self, n: int) -> bool:
-        """Wait until the running background round's mapper calls are done (pages it is
-        mapping for the reserve or unmapping): ``True`` when there were any, so that an
-        ``acquire`` of ``n`` pages that missed may try again. Caller holds ``_lock``."""
+        """Wait until the running background round's next mapper call is done (pages it is
+        mapping for the reserve, or the next chunk of pages it is unmapping): ``True`` when
+        there was one and it finished, so that an ``acquire`` of ``n`` pages that missed
+        may try again. Caller holds ``_lock``."""
         if not (self._bg_maps or self._bg_unmaps):
             return False
         log.debug("kvcore: acquire(%d) %s %s", n, WAIT_LOG_TEXT, self._bg_maps + self._bg_unmaps)
-        self._settled.wait_for(
-            lambda: not (self._bg_maps or self._bg_unmaps) or self._failure is not None,
-            _SETTLE_TIMEOUT,
+        seen = self._bg_progress
+        progressed = self._settled.wait_for(
+            lambda: self._bg_progress != seen or self._failure is not None, _SETTLE_TIMEOUT
         )
         self._check_usable()
-        return not (self._bg_maps or self._bg_unmaps)
+        return progressed
 
     def _undo_acquire(self, ids: list[int]) -> None:
         """Put pages a failed acquire took back, as reserved (the background thread trims
@@ -1054,14 +1065,16 @@ class PageAllocator:
             self._move(pages, _MAPPING, _FREE)
             self._free.extend(reversed(pages))
 
-    def _unmap(self, pages: list[int]) -> bool:
+    def _unmap(self, pages: list[int], *, synchronize: bool = True) -> bool:
         """Unmap ``UNMAPPING`` pages (background rounds only) and return their bytes.
-        ``False`` when the prepare failed and the pages went back to the reserve."""
+        ``False`` when the prepare failed and the pages went back to the reserve.
+        ``synchronize=False``: the device was waited for after these pages left use (an
+        earlier chunk of the same round)."""
         try:
             # not under _mapper_lock: the prepare waits for the device (mapper.py), and an
             # acquire mapping other pages on the engine's thread meanwhile must not wait too
             self._calls_refill += 1  # written by the one round running only
-            self._mapper.prepare_unmap(pages)
+            self._mapper.prepare_unmap(pages, synchronize=synchronize)
         except PageQuarantined as exc:
             bad = _named_or_all(exc.page_ids, pages)
             self._settle_unmap_failure(pages, bad)
@@ -1222,19 +1235,15 @@ class PageAllocator:
                     self._to_reserve(maps)
                     self._backoff = self._retry_interval
                     self._batch_limit = min(2 * self._batch_limit, self._refill_batch)
-                    self._background_call_done_locked(maps=True)
+                    self._background_map_done_locked()
             else:  # a miss: wait longer and ask for less next time
                 with self._lock:
                     self._retry_at = self._clock() + self._backoff
                     self._backoff = min(2 * self._backoff, 20 * self._retry_interval)
                     self._batch_limit = max(len(maps) // 2, 1)
-                    self._background_call_done_locked(maps=True)
+                    self._background_map_done_locked()
         if unmaps:  # after the refill (module docstring)
-            unmapped = self._unmap(unmaps)
-            with self._lock:
-                if unmapped:
-                    self._unmap_backoff = self._retry_interval
-                self._background_call_done_locked(maps=False)
+            self._unmap_progressively(unmaps)
         if trim_asked or (drop_pool and self._pooled > pool_keep):  # trim: retry releases too
             with self._mapper_lock:
                 self._trim_pool_locked()
@@ -1253,6 +1262,31 @@ class PageAllocator:
             except Exception:  # the engine's business: the allocator goes on
                 log.exception("kvcore: the shed listener raised")
 
+    def _unmap_progressively(self, pages: list[int]) -> None:
+        """Unmap this round's ``UNMAPPING`` pages in chunks of 1, 2, 4, ... page ids, each
+        settling the gate's charge, the device waited for once (module docstring: giving
+        memory back progressively). A failed prepare puts that chunk (behind the unmap
+        back-off) and every page after it back in the reserve."""
+        start, size = 0, 1
+        while start < len(pages):
+            chunk = pages[start : start + size]
+            unmapped = self._unmap(chunk, synchronize=start == 0)
+            start += size
+            size *= 2
+            with self._lock:
+                rest = pages[start:]
+                if unmapped:
+                    self._unmap_backoff = self._retry_interval
+                elif rest:  # they wait for the back-off with the failed chunk
+                    self._move(rest, _UNMAPPING, _RESERVED)
+                    self._to_reserve(rest)
+                    rest = []
+                self._bg_unmaps[:] = rest
+                self._bg_progress += 1
+                self._settled.notify_all()
+            if not rest:
+                return
+
     def _shed_count_locked(self, overage: int) -> int:
         """``overage`` bytes as pages in use to shed, less the pages already leaving use and
         the idle pages the gate has not been told of yet (it counts them as in use)."""
@@ -1264,11 +1298,11 @@ class PageAllocator:
         leaving += max(0, idle - self._reported_idle) // self._page_bytes
         return max(0, -(-overage // self._page_bytes) - leaving)
 
-    def _background_call_done_locked(self, *, maps: bool) -> None:
-        """The background mapper call on ``_bg_maps`` (or ``_bg_unmaps``) is over: its pages
-        are where it left them; wake an ``acquire`` waiting for them. Caller holds
-        ``_lock``."""
-        (self._bg_maps if maps else self._bg_unmaps).clear()
+    def _background_map_done_locked(self) -> None:
+        """The background mapper call on ``_bg_maps`` is over: its pages are where it left
+        them; wake an ``acquire`` waiting for them. Caller holds ``_lock``."""
+        self._bg_maps.clear()
+        self._bg_progress += 1
         self._settled.notify_all()
 
     def _unmap_pending_locked(self) -> bool:

@@ -759,10 +759,10 @@ def test_a_handle_whose_release_failed_stays_charged_until_released(backend: str
     gate = UnlimitedGate()
     stack = build_stack(backend, gate=gate, background=False)
     try:
-        ids = stack.pages.acquire(2)
+        ids = stack.pages.acquire(1)
         assert ids is not None
-        # the commit's two releases fail, and on the commit's retry the first one again
-        stack.vmm.fail("release", times=3)
+        # the commit's release fails, and again on the commit's retry
+        stack.vmm.fail("release", times=2)
         stack.pages.release(ids)
         assert stack.pages.flush()
         assert stack.mapper.stats()["pending_release"] == 1
@@ -996,3 +996,99 @@ def test_a_map_on_the_engine_thread_does_not_wait_for_a_background_unmaps_device
     assert stack.pages.flush()
     assert first[0] not in stack.mapped_pages()  # the held unmap then went through
     stack.close()
+
+
+class _ReleaseLog(UnlimitedGate):
+    """An unlimited gate that lists the bytes of each ``release`` in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released: list[int] = []
+
+    def release(self, nbytes: int) -> None:
+        self.released.append(nbytes)
+        super().release(nbytes)
+
+
+@pytest.fixture
+def ten_in_use(backend: str) -> Iterator[tuple[MemStack, _ReleaseLog, list[int]]]:
+    """A stack without a reserve whose gate logs releases, ten pages in use."""
+    gate = _ReleaseLog()
+    stack = build_stack(backend, gate=gate, reserve_max=0, background=False)
+    try:
+        ids = stack.pages.acquire(10)
+        assert ids is not None
+        yield stack, gate, ids
+    finally:
+        stack.close()
+
+
+def test_a_round_gives_memory_back_chunk_by_chunk_and_waits_for_the_device_once(
+    ten_in_use: tuple[MemStack, _ReleaseLog, list[int]],
+) -> None:
+    stack, gate, ids = ten_in_use
+    stack.vmm.reset_counts()
+    stack.pages.release(ids)
+    assert stack.pages.flush()
+    pb = stack.pages.page_bytes
+    assert gate.released == [pb, 2 * pb, 4 * pb, 3 * pb]  # chunks double from one page
+    assert stack.vmm.calls("synchronize") == 1
+    assert stack.mapped_pages() == set() and gate.held == 0
+    assert states(stack, ids) == [S.FREE] * 10
+
+
+def test_a_chunk_that_fails_to_unmap_keeps_it_and_the_rest_mapped_until_the_retry(
+    ten_in_use: tuple[MemStack, _ReleaseLog, list[int]],
+) -> None:
+    stack, gate, ids = ten_in_use
+    pb = stack.pages.page_bytes
+    per_page = stack.geometry.handles_per_page
+    stack.vmm.fail("unmap", nth=per_page + 1)  # the second chunk's first unmap
+    stack.pages.release(ids)
+    assert not stack.pages.flush()  # the retry waits for retry_interval
+    assert gate.released == [pb]  # the first chunk came back
+    assert gate.held == 9 * pb and len(stack.mapped_pages()) == 9
+    assert sorted(states(stack, ids)).count(S.RESERVED) == 9
+    stack.vmm.reset_counts()
+    clock_of(stack).advance(0.01)
+    assert stack.pages.flush()
+    assert sum(gate.released) == 10 * pb and gate.held == 0
+    assert stack.mapped_pages() == set() and stack.vmm.calls("synchronize") == 1
+    st = stack.pages.stats()
+    assert (st.quarantined, st.mapped, st.failed) == (0, 0, False)
+
+
+def test_an_acquire_under_a_full_budget_gets_the_first_chunk_before_the_round_ends(
+    backend: str,
+) -> None:
+    """The budget is full and every page is being unmapped by one round: an ``acquire``
+    succeeds with the first chunk's bytes while the next chunk is still in the mapper."""
+    stack = build_stack(backend, reserve_max=0, hold_page_thread=True)
+    hold = stack.hold
+    assert hold is not None
+    try:
+        pb = stack.pages.page_bytes
+        gate = BudgetGate(10 * pb)
+        stack.pages.close()
+        stack.pages = PageAllocator(hold, gate, charge_fixed_bytes=False)
+        ids = stack.pages.acquire(10)
+        assert ids is not None and stack.pages.acquire(1) is None  # the budget is full
+        held = hold.prepare_unmap
+
+        def prepare(page_ids: Any, *, synchronize: bool = True) -> None:
+            if synchronize:  # the round's first chunk goes through; the next one is held
+                hold.inner.prepare_unmap(page_ids)
+            else:
+                held(page_ids, synchronize=False)
+
+        hold.prepare_unmap = prepare  # type: ignore[method-assign]
+        hold.armed = True
+        stack.pages.release(ids)
+        assert hold.entered.wait(WAIT_TIMEOUT)
+        got = stack.pages.acquire(1)
+        assert got is not None and gate.held == 10 * pb
+        hold.release()
+        assert stack.pages.flush()
+        assert gate.held == pb and stack.mapped_pages() == set(got)
+    finally:
+        stack.close()

@@ -422,8 +422,8 @@ class _NullPageFirst:
         self.inner.map([p for p in page_ids if p not in adopted])  # all-or-nothing
         self._premapped -= adopted
 
-    def prepare_unmap(self, page_ids: Sequence[int]) -> None:
-        self.inner.prepare_unmap(page_ids)
+    def prepare_unmap(self, page_ids: Sequence[int], *, synchronize: bool = True) -> None:
+        self.inner.prepare_unmap(page_ids, synchronize=synchronize)
 
     def commit_unmap(self, page_ids: Sequence[int]) -> None:
         self.inner.commit_unmap(page_ids)

@@ -286,9 +286,11 @@ class ChannelCoordinator:
             undo = self._rollback({r: [Request(Op.UNDO_MAP, txn)] for r in reachable})
             self._settle("map", pages, first, undo)
 
-    def prepare_unmap(self, page_ids: Sequence[int]) -> None:
+    def prepare_unmap(self, page_ids: Sequence[int], *, synchronize: bool = True) -> None:
         """Prepare the unmap of ``page_ids`` on every worker, or on none (module docstring:
-        ``prepare_unmap``); the pages stay mapped everywhere when it raises."""
+        ``prepare_unmap``); the pages stay mapped everywhere when it raises. Every worker
+        waits for its device whatever ``synchronize`` says (the protocol allows it; the
+        channel carries no such flag)."""
         with self._lock:
             pages = self._checked("prepare_unmap", page_ids, MappingState.MAPPED)
             if not pages:
