@@ -232,7 +232,8 @@ def handoff_summary(
 ) -> dict[str, Any]:  # fmt: skip
     """The live handoff in one elastic phase (times in ms after the donor's last request
     ended, as its client saw it; ``t_start`` is the phase's start on the samples' clock):
-    when the donor's mapped bytes fell to within 10 % of their floor (``released_ms``), when
+    when the donor's mapped bytes first fell (``gave_first_ms``: it gives back chunk by
+    chunk), when they fell to within 10 % of their floor (``released_ms``), when
     the receiver first mapped more than it held then (``first_map_ms``) and when it held 90 %
     of the freed bytes more (``took_90_ms``). ``None`` where it did not happen or the samples
     do not cover it. A negative time: the engine freed before its last chunk reached the
@@ -267,11 +268,12 @@ def handoff_summary(
         donor_peak=max(x["instances"][donor]["mapped"] for x in rows),
         donor_held_at_end=held, donor_floor=floor, freed=freed,
         receiver_at_end=recv0, budget_free_at_end=at["budget"] - at["total_mapped"],
-        released_ms=None, first_map_ms=None, took_90_ms=None,
+        gave_first_ms=None, released_ms=None, first_map_ms=None, took_90_ms=None,
         sample_interval_ms=_ms(percentile(gaps, 50)),
     )  # fmt: skip
     if freed:  # nothing freed: nothing was handed off
         out.update(
+            gave_first_ms=first(lambda i: i[donor]["mapped"] < held),
             released_ms=first(lambda i: i[donor]["mapped"] <= floor + 0.1 * freed),
             first_map_ms=first(lambda i: i[receiver]["mapped"] > recv0),
             took_90_ms=first(lambda i: i[receiver]["mapped"] >= recv0 + 0.9 * freed),

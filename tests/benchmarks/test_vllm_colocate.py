@@ -538,6 +538,7 @@ def test_handoff_summary_times_release_and_take_over_from_the_last_end() -> None
     samples = [
         _sample(12.99, 10 * GiB, 11 * GiB),
         _sample(13.02, 10 * GiB, 11 * GiB),
+        _sample(13.03, 9 * GiB, 11 * GiB),
         _sample(13.05, 1 * GiB, 11 * GiB),
         _sample(13.06, MiB, 11 * GiB + 64 * MiB),
         _sample(13.2, MiB, 20 * GiB),
@@ -545,6 +546,7 @@ def test_handoff_summary_times_release_and_take_over_from_the_last_end() -> None
     got = handoff_summary(records, samples, t_start, "a", "b")
     assert got["donor_finished"] == 2 and got["end_spread_ms"] == 10.0
     assert got["donor_held_at_end"] == 10 * GiB and got["freed"] == 10 * GiB - MiB
+    assert got["gave_first_ms"] == 30.0
     assert got["released_ms"] == 50.0  # 1 GiB is within 10 % of the freed bytes
     assert got["first_map_ms"] == 60.0
     assert got["took_90_ms"] == 200.0
