@@ -200,9 +200,11 @@ def allocator_instance(name: str, budget_uuid: str, steps: Any, results: Any) ->
     held: list[int] = []
     while (step := steps.get(timeout=60)) != "stop":
         if step == "fill":
-            # until the budget refuses: a miss on a ledger busy past the gate's short lock
-            # wait (a loaded machine) is retried, so the outcome never depends on timing
-            for _ in range(1000):
+            # until the budget has no page left. A miss while it has one is retried: the
+            # gate's short lock wait ran out on a loaded machine, or a neighbour's waiting
+            # mark (shares.WANT_HOLD_S after its last refusal) still holds that page for it
+            deadline = time.monotonic() + 30.0
+            while time.monotonic() < deadline:
                 ids = stack.pages.acquire(1)
                 if ids is not None:
                     held += ids
@@ -210,6 +212,7 @@ def allocator_instance(name: str, budget_uuid: str, steps: Any, results: Any) ->
                 snap = gate.ledger.snapshot()  # waits for the lock as long as it takes
                 if snap.budget_setting - snap.total_mapped < stack.pages.page_bytes:
                     break
+                time.sleep(0.01)
         elif step == "drop":
             stack.pages.release(held)
             held.clear()
