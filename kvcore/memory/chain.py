@@ -120,7 +120,7 @@ class MemoryChain:
         2. the geometry: ``geometry``, or ``geometry(backend)`` (a plan from its granularity);
         3. over a backend without ``mapper``: ``VirtualKVCache(backend, geometry, sanity=,
            contiguous=)`` and ``LocalPageMapper(cache, pool_pages=)`` (``None``: the
-           mapper's default idle handle pool);
+           mapper's default idle handle pool, at most 256 MiB);
         4. the gate: ``gate``, or ``open_gate(backend, geometry)``; with neither the chain
            ends here (no allocator);
         5. ``PageAllocator(mapper, gate)`` with the reserve bounds clipped to the page count;
@@ -143,11 +143,7 @@ class MemoryChain:
             if mapper is None:
                 assert backend is not None
                 cache = VirtualKVCache(backend, plan, sanity=sanity, contiguous=contiguous)
-                mapper = (
-                    LocalPageMapper(cache)
-                    if pool_pages is None
-                    else LocalPageMapper(cache, pool_pages=pool_pages)
-                )
+                mapper = LocalPageMapper(cache, pool_pages=pool_pages)
                 owns_mapper = True
             if gate is None and open_gate is not None:
                 gate, owns_gate = open_gate(backend, plan), True

@@ -68,11 +68,22 @@ class _Page:
     slots: list[_Slot] = field(default_factory=list)
 
 
+DEFAULT_POOL_PAGES = 4
+"""Page ids' worth of handles a ``LocalPageMapper`` pools by default (class docstring)."""
+DEFAULT_POOL_MAX_BYTES = 256 << 20
+"""The most device memory the default pool keeps: 4 page ids of a Llama-3-8B-shaped cache
+under vLLM's per-layer layout at 2 MiB handles (32 handles a page id)."""
+
+
 class LocalPageMapper:
     """``PageMapper`` over one ``VirtualKVCache`` in this process (module docstring).
 
     ``pool_pages`` bounds the physical handles kept for reuse after ``commit_unmap``
-    (in pages; each page is ``handles_per_page`` handles). Pooled handles hold device memory:
+    (in pages; each page is ``handles_per_page`` handles); ``None``: ``DEFAULT_POOL_PAGES``,
+    fewer where that would keep more than ``DEFAULT_POOL_MAX_BYTES`` (none where one page
+    exceeds it). Pooled handles are idle device memory the instance keeps while a neighbour
+    above its share is refused, so their bytes stay bounded whatever the page. Pooled
+    handles hold device memory:
     ``held_bytes`` counts them (with every other handle not yet released) and
     ``trim_pool()`` gives them back. Thread-safe; calls are serialised.
 
@@ -82,7 +93,7 @@ class LocalPageMapper:
     are unbacked (a retry is a no-op; the handle is released again at ``close``).
     """
 
-    def __init__(self, cache: VirtualKVCache, *, pool_pages: int = 4) -> None:
+    def __init__(self, cache: VirtualKVCache, *, pool_pages: int | None = None) -> None:
         self.cache = cache
         self.backend = cache.backend
         self.geometry = cache.geometry
@@ -93,6 +104,10 @@ class LocalPageMapper:
         self._range_vas = tuple(va for va, _ in cache.ranges)
         self._slot_vas = tuple(enumerate(self._range_vas))  # (slot index, range base)
         self._check_zero = cache.sanity  # sanity mode: scan the zero page before transitions
+        if pool_pages is None:
+            pool_pages = min(
+                DEFAULT_POOL_PAGES, DEFAULT_POOL_MAX_BYTES // cache.geometry.page_device_bytes
+            )
         self.pool_max = pool_pages * self._hpp
         self._pages = [_Page(slots=[_ZERO] * len(cache.ranges)) for _ in range(cache.num_pages)]
         self._pool: list[Handle] = []

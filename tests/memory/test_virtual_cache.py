@@ -328,6 +328,26 @@ def test_pool_is_bounded(cache: VirtualKVCache, vmm: FaultInjector) -> None:
         m.close()
 
 
+@pytest.mark.parametrize(("page_mib", "pool_pages"), [(1, 4), (32, 2), (128, 0)])
+def test_the_default_pool_keeps_four_page_ids_and_never_more_than_256_mib(
+    page_mib: int, pool_pages: int
+) -> None:
+    # per-layer, 2 layers x 2 buffers: a page id is 4 handles of page_mib
+    backend = HostBackend(device_bytes=256 << 20, granularity=1 << 20)
+    geo = KVGeometry(
+        num_layers=LAYERS, kv_buffers=BUFFERS, block_bytes=page_mib << 20, num_blocks=2,
+        page_bytes=page_mib << 20, granularity=1 << 20, layout="per-layer",
+    )  # fmt: skip
+    cache = VirtualKVCache(backend, geo)
+    m = LocalPageMapper(cache)
+    try:
+        assert m.pool_max == pool_pages * geo.handles_per_page
+    finally:
+        m.close()
+        cache.close()
+        backend.close()
+
+
 def test_close_releases_everything(cache: VirtualKVCache, vmm: FaultInjector) -> None:
     m = LocalPageMapper(cache)
     m.map([0, 1, 3])
