@@ -16,6 +16,9 @@ and SLO:
   what another gave back.
 * ``static``: upstream vLLM, no kvcore: ``--kv-cache-memory-bytes`` per instance splits the
   same total (evenly, or by ``--static-shares``), allocated at start for the server's life.
+* ``kvcached`` (opt-in, ``--start sequential``): the anchor, kvcached on upstream vLLM 0.30.0
+  from ``--kvcached-site``; every instance plans the whole total, and a ballast process
+  leaves the kvcached instances exactly the total to share (``benchmarks/kvcached_mode.py``).
 
 ``--gpu-memory-utilization`` is only vLLM's start-up check of free memory in both modes (the
 KV sizes are given in bytes, so vLLM skips its memory profiling). Prefix caching is off in
@@ -100,6 +103,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import kvcached_mode
 from benchmarks.vllm_servers import (  # stdlib only at import
     CLI,
     MemorySampler,
@@ -112,7 +116,12 @@ from benchmarks.vllm_servers import (  # stdlib only at import
 
 GiB = 1 << 30
 MiB = 1 << 20
-MODES = ("elastic", "static")
+MODES = ("elastic", "static", "kvcached")
+"""``kvcached``: the anchor, on vLLM 0.30.0 (``benchmarks/kvcached_mode.py``); opt-in."""
+DEFAULT_MODES = ("elastic", "static")
+SHARED_MODES = ("elastic", "kvcached")
+"""Modes whose instances share one budget: each gets all of it as its logical capacity, and
+their KV held is sampled over time (elastic: the ledger; kvcached: its segments)."""
 WORKLOADS = ("ramp", "bursty", "steady", "handoff")
 DEFAULT_MODELS = ("llama-3-8b", "llama-3.2-3b", "qwen3-0.6b")
 SMOKE_MODELS = ("qwen3-0.6b", "llama-3.2-3b")
@@ -477,20 +486,21 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a is not None and b else None
 
 
-def compare(phases: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Elastic against static for every (workload, peak, repeat) both ran, per instance
-    and ``all``: ``ttft_p99_x`` / ``ttft_p50_x`` static over elastic (above 1: elastic is
-    better), ``tpot_*_ratio``, ``output_ratio`` and ``goodput_ratio`` elastic over static,
-    and both modes' SLO attainment, errors and preemptions."""
+def compare(phases: Sequence[Mapping[str, Any]], mode: str = "elastic") -> list[dict[str, Any]]:
+    """``mode`` (elastic, or kvcached) against static for every (workload, peak, repeat)
+    both ran, per instance and ``all``: ``ttft_p99_x`` / ``ttft_p50_x`` static over ``mode``
+    (above 1: ``mode`` is better), ``tpot_*_ratio``, ``output_ratio`` and ``goodput_ratio``
+    ``mode`` over static, and both modes' SLO attainment, errors and preemptions (keys
+    named after the mode: ``slo_elastic``, ``slo_static``, ...). Each row names ``mode``."""
     by_key: dict[tuple[Any, ...], dict[str, Mapping[str, Any]]] = {}
     for ph in phases:
         if ph.get("summary"):
             by_key.setdefault((ph["workload"], ph.get("peak"), ph["repeat"]), {})[ph["mode"]] = ph
     rows = []
     for (workload, peak, repeat), modes in by_key.items():
-        if not {"elastic", "static"} <= set(modes):
+        if not {mode, "static"} <= set(modes):
             continue
-        e, s = modes["elastic"], modes["static"]
+        e, s = modes[mode], modes["static"]
         for name in [*e["summary"]["instances"], "all"]:
             fe = e["summary"]["all"] if name == "all" else e["summary"]["instances"].get(name)
             fs = s["summary"]["all"] if name == "all" else s["summary"]["instances"].get(name)
@@ -499,16 +509,17 @@ def compare(phases: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             pe = e.get("preemptions", {})
             ps = s.get("preemptions", {})
             rows.append({
-                "workload": workload, "peak": peak, "repeat": repeat, "instance": name,
+                "mode": mode, "workload": workload, "peak": peak, "repeat": repeat,
+                "instance": name,
                 "ttft_p99_x": _ratio(fs["ttft_p99_ms"], fe["ttft_p99_ms"]),
                 "ttft_p50_x": _ratio(fs["ttft_p50_ms"], fe["ttft_p50_ms"]),
                 "tpot_p50_ratio": _ratio(fe["tpot_p50_ms"], fs["tpot_p50_ms"]),
                 "tpot_p99_ratio": _ratio(fe["tpot_p99_ms"], fs["tpot_p99_ms"]),
                 "output_ratio": _ratio(fe["output_tok_s"], fs["output_tok_s"]),
                 "goodput_ratio": _ratio(fe["goodput_rps"], fs["goodput_rps"]),
-                "slo_elastic": fe["slo_attainment"], "slo_static": fs["slo_attainment"],
-                "errors_elastic": fe["errors"], "errors_static": fs["errors"],
-                "preemptions_elastic": sum(pe.values()) if name == "all" else pe.get(name),
+                f"slo_{mode}": fe["slo_attainment"], "slo_static": fs["slo_attainment"],
+                f"errors_{mode}": fe["errors"], "errors_static": fs["errors"],
+                f"preemptions_{mode}": sum(pe.values()) if name == "all" else pe.get(name),
                 "preemptions_static": sum(ps.values()) if name == "all" else ps.get(name),
             })  # fmt: skip
     return rows
@@ -576,14 +587,15 @@ def kv_panel(
     capacity: Mapping[str, int],
 ) -> dict[str, dict[str, Series]]:
     """Per instance of one phase, ``held`` and ``in_use`` KV bytes over phase time (seconds
-    from ``window[0]``). Elastic: held from the ledger samples (mapped bytes); static: the
-    fixed ``capacity``. Both: in use = vLLM's ``kv_cache_usage_perc`` x ``capacity`` (the
-    server's KV capacity in bytes, logical for elastic) from the gauge samples (entries
+    from ``window[0]``). Elastic and kvcached: held from ``ledger``, their mapped-bytes
+    samples (the ledger's; kvcached's segments); static: the fixed ``capacity``. Every
+    mode: in use = vLLM's ``kv_cache_usage_perc`` x ``capacity`` (the server's KV capacity
+    in bytes, logical for the shared modes) from the gauge samples (entries
     ``{"t", "mode", "instance", "vllm:kv_cache_usage_perc"}``)."""
     t0, t1 = window
     panel: dict[str, dict[str, Series]] = {}
     for name in instances:
-        if mode == "elastic":
+        if mode in SHARED_MODES:
             held = [
                 (s["t"] - t0, float(s["instances"][name]["mapped"]))
                 for s in ledger
@@ -655,11 +667,11 @@ def plot_kv(
             ax.axvline(t, color="0.5", ls="-.", lw=0.8)
             ax.annotate(text, (t, 0.02), xycoords=("data", "axes fraction"), rotation=90,
                         fontsize=7, color="0.3", ha="right", va="bottom")  # fmt: skip
-        what = (
-            "one GPU budget through kvcore's ledger (mapped pages)"
-            if mode == "elastic"
-            else "static split (--kv-cache-memory-bytes, reserved at start)"
-        )
+        what = {
+            "elastic": "one GPU budget through kvcore's ledger (mapped pages)",
+            "kvcached": "kvcached on vLLM 0.30.0, the budget left free beside a ballast "
+            "(mapped pages)",
+        }.get(mode, "static split (--kv-cache-memory-bytes, reserved at start)")
         ax.set_title(f"{mode}: {what}", fontsize=10)
         ax.set_ylabel("KV memory (GiB)")
         ax.grid(alpha=0.3)
@@ -858,6 +870,8 @@ class Server(ServeProcess):
             config = {**json.loads(args.kvcore_config or "{}"), "gpu_ledger": True,
                       "ledger_dir": str(ledger_dir)}  # fmt: skip
             cmd += ["--kvcore-elastic", "--kvcore-config", json.dumps(config)]
+        elif mode == "kvcached":
+            env.update(kvcached_mode.server_env(args.kvcached_site, inst.name))
         cmd += shlex.split(args.serve_args or "")
         super().__init__(cmd, env, port, workdir / f"serve-{mode}-{inst.name}.log", label)
 
@@ -872,6 +886,9 @@ class _Samplers:
         self.ledger_dir = ledger_dir
         self.servers = list(servers)
         self.ledger: list[dict[str, Any]] = []
+        self.segments: list[dict[str, Any]] = []
+        """kvcached instances' mapped bytes (``kvcached_mode.segment_sample``), while any
+        kvcached server runs."""
         self.gauges: list[dict[str, Any]] = []
         self.active_mode: str | None = None
         self.phase = "start"
@@ -911,6 +928,12 @@ class _Samplers:
 
     def _ledger_loop(self, interval: float) -> None:
         while not self._stop.wait(interval):
+            kvc = [s.inst.name for s in self.servers
+                   if s.mode == "kvcached" and s.proc.poll() is None]  # fmt: skip
+            if kvc:
+                sample = kvcached_mode.segment_sample(kvc, self.now())
+                sample["phase"] = self.phase
+                self.segments.append(sample)
             try:
                 ledger = self.open_ledger()
                 if ledger is not None:
@@ -1079,6 +1102,10 @@ class Run:
         self._stop_offsets: dict[str, int] = {}
         """Each stopped server's log size in bytes when its stop began (``log_flags``)."""
         self._children: list[Any] = []
+        self._ballast: kvcached_mode.Ballast | None = None
+        self.ballast_report: dict[str, Any] = {}
+        """What the kvcached mode's ballast held (``kvcached_mode.Ballast.report``) and
+        the KV bytes the kvcached instances had mapped when it started."""
 
     # -- output --------------------------------------------------------------------------
 
@@ -1126,8 +1153,10 @@ class Run:
             "budget": self.budget_info,
             "warmup": self.warmup,
             "phases": self.phases,
-            "comparison": compare(self.phases),
+            "comparison": compare(self.phases) + compare(self.phases, "kvcached"),
             "ledger": list(self.samplers.ledger) if self.samplers else [],
+            "kvcached_segments": list(self.samplers.segments) if self.samplers else [],
+            "ballast": self.ballast_report,
             "gauges": list(self.samplers.gauges) if self.samplers else [],
             "sampler_notes": list(self.samplers.notes) if self.samplers else [],
             "memory": list(self.nvml.series) if self.nvml is not None else [],
@@ -1150,7 +1179,8 @@ class Run:
         new = []
         for mode in modes:
             for i, inst in enumerate(self.instances):
-                kv = self.plan.elastic_kv if mode == "elastic" else self.plan.static_kv[i]
+                shared = mode in SHARED_MODES  # logical: the whole budget
+                kv = self.plan.elastic_kv if shared else self.plan.static_kv[i]
                 port = self.args.port + len(self.servers)
                 s = Server(mode, inst, port, kv, self.args, self.workdir, self.ledger_dir)
                 self.servers.append(s)
@@ -1364,11 +1394,14 @@ class Run:
 
     def _progress(self, mode: str, clients: Sequence[Any]) -> str:
         cells = []
-        latest = self.samplers.ledger[-1] if self.samplers and self.samplers.ledger else None
+        samplers = self.samplers
+        held = [] if samplers is None else (
+            samplers.segments if mode == "kvcached" else samplers.ledger)  # fmt: skip
+        latest = held[-1] if held and mode in SHARED_MODES else None
         for name, _p, counts, _out, n in clients:
             sent, done, err = counts[:]
             cell = f"{name} {sent}/{n} sent {done} ok {err} err"
-            if mode == "elastic" and latest and name in latest["instances"]:
+            if latest and name in latest["instances"]:
                 cell += f" {latest['instances'][name]['mapped'] / GiB:.2f} GiB"
             cells.append(cell)
         return "; ".join(cells)
@@ -1413,8 +1446,9 @@ class Run:
             ph = done[mode]
             names = list(ph["summary"]["instances"])
             cap = {s.inst.name: s.kv_bytes for s in self.servers if s.mode == mode}
-            panels[mode] = kv_panel(mode, (ph["t_start"], ph["t_end"]), names,
-                                    self.samplers.ledger, self.samplers.gauges, cap)  # fmt: skip
+            held = self.samplers.segments if mode == "kvcached" else self.samplers.ledger
+            panels[mode] = kv_panel(mode, (ph["t_start"], ph["t_end"]), names, held,
+                                    self.samplers.gauges, cap)  # fmt: skip
         stem = self.args.out.with_suffix("")
         tag = f"{self.plan.workload}" + (f"-peak{peak:g}" if peak is not None else "")
         path = Path(f"{stem}-kv-{tag}-r{repeat}.png")
@@ -1442,6 +1476,8 @@ class Run:
         try:
             for group in groups:
                 self.start(group)
+                if "kvcached" in group:
+                    self._hold_ballast()
                 for repeat in range(plan.repeats):
                     for k, peak in enumerate(plan.peaks):
                         order = list(group)
@@ -1452,8 +1488,10 @@ class Run:
                             time.sleep(self.args.gap_s)
                         self.plot(peak, repeat)
                 if self.args.start == "sequential":
+                    self._drop_ballast()
                     self._stop_servers([s for s in self.servers if s.mode in group])
         finally:
+            self._drop_ballast()
             for p in self._children:
                 if p.is_alive():
                     p.terminate()
@@ -1474,6 +1512,31 @@ class Run:
             }
             self.write_final()
 
+    def _hold_ballast(self) -> None:
+        """Make the GPU the kvcached instances' budget (``kvcached_mode``): hold what the
+        device has free beyond the budget less what they have mapped since their start."""
+        names = [s.inst.name for s in self.servers if s.mode == "kvcached"]
+        sample = kvcached_mode.segment_sample(names, 0.0)
+        if set(sample["instances"]) != set(names):
+            raise RuntimeError(
+                f"kvcached segments found for {sorted(sample['instances'])}, not for every "
+                f"instance of {sorted(names)}: is kvcached on (KVCACHED_SITE, the start-up hook)?"
+            )
+        mapped = int(sample["total_mapped"])
+        room = kvcached_mode.room_left(self.plan.kv_total, mapped)
+        self._ballast = kvcached_mode.Ballast(room)
+        report = self._ballast.start()
+        self.ballast_report = {**report, "kvcached_mapped_at_start": mapped, "room": room}
+        self.say(f"ballast holds {report['held'] / GiB:.2f} GiB: kvcached instances hold "
+                 f"{mapped / GiB:.2f} GiB and may map {room / GiB:.2f} GiB more "
+                 f"(device free {report['free_after'] / GiB:.2f} GiB)")  # fmt: skip
+
+    def _drop_ballast(self) -> None:
+        if self._ballast is not None:
+            self._ballast.stop()
+            self._ballast = None
+            self.say("ballast released")
+
     def _stop_servers(self, servers: Sequence[Server]) -> None:
         live = [s for s in servers if s.proc.poll() is None]
         if live:
@@ -1486,17 +1549,18 @@ class Run:
 
     def write_final(self) -> None:
         self.write()
-        rows = compare(self.phases)
-        if rows:
-            print("\nelastic vs static (x: static / elastic, ratio: elastic / static)")
-        for r in rows:
-            peak = f" peak={r['peak']:g}" if r["peak"] is not None else ""
-            print(f"  {r['workload']}{peak} r{r['repeat']} {r['instance']:>14}: "
-                  f"TTFT p99 {r['ttft_p99_x']}x p50 {r['ttft_p50_x']}x, TPOT p50 "
-                  f"{r['tpot_p50_ratio']}, output {r['output_ratio']}, goodput "
-                  f"{r['goodput_ratio']}, SLO {r['slo_elastic']} vs {r['slo_static']}, errors "
-                  f"{r['errors_elastic']} vs {r['errors_static']}, preemptions "
-                  f"{r['preemptions_elastic']} vs {r['preemptions_static']}")  # fmt: skip
+        for mode in SHARED_MODES:
+            rows = compare(self.phases, mode)
+            if rows:
+                print(f"\n{mode} vs static (x: static / {mode}, ratio: {mode} / static)")
+            for r in rows:
+                peak = f" peak={r['peak']:g}" if r["peak"] is not None else ""
+                print(f"  {r['workload']}{peak} r{r['repeat']} {r['instance']:>14}: "
+                      f"TTFT p99 {r['ttft_p99_x']}x p50 {r['ttft_p50_x']}x, TPOT p50 "
+                      f"{r['tpot_p50_ratio']}, output {r['output_ratio']}, goodput "
+                      f"{r['goodput_ratio']}, SLO {r[f'slo_{mode}']} vs {r['slo_static']}, "
+                      f"errors {r[f'errors_{mode}']} vs {r['errors_static']}, preemptions "
+                      f"{r[f'preemptions_{mode}']} vs {r['preemptions_static']}")  # fmt: skip
         print(f"wrote {self.args.out}" + "".join(f"\nwrote {p}" for p in self.plots), flush=True)
 
 
@@ -1531,7 +1595,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--models", nargs="+", default=None,
       help=f"2 or 3 offline model dirs or shape names (default: {' '.join(DEFAULT_MODELS)}; "
            "steady uses the first only)")  # fmt: skip
-    a("--modes", nargs="+", choices=MODES, default=list(MODES), help="default: elastic static")
+    a("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
+      help="default: elastic static; kvcached needs --start sequential, "
+           "and --kvcached-site")  # fmt: skip
     a("--start", choices=("together", "sequential"), default="together",
       help="start every mode's servers at once (default) or one mode after the other")  # fmt: skip
     a("--smoke", action="store_true",
@@ -1587,6 +1653,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep vLLM's prefix caching on (default off in both modes)",
     )
     g.add_argument("--serve-args", default="", help="more `vllm serve` arguments (one string)")
+    g.add_argument(
+        "--kvcached-site",
+        type=Path,
+        default=Path(os.environ.get("KVCACHED_SITE", "/tmp/kvdev030/site")),
+        help="vLLM 0.30.0's site with kvcached built into it, for the kvcached mode "
+        "(benchmarks/kvcached_device.sh install; default $KVCACHED_SITE or "
+        "/tmp/kvdev030/site)",
+    )
     g.add_argument("--port", type=int, default=8031, help="first server's port")
     g.add_argument("--start-timeout", type=float, default=300.0)
     g = p.add_argument_group("ramp")
@@ -1675,6 +1749,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("co-location needs at least 2 models (steady runs one)")
     elif args.workload == "handoff" and len(args.models) != 2:
         parser.error("handoff needs 2 models: the donor, then the receiver")
+    if "kvcached" in args.modes and args.start != "sequential":
+        parser.error(
+            "--modes kvcached needs --start sequential: its ballast holds the GPU's memory "
+            "beyond the KV budget, which would starve the other modes' servers"
+        )
     for s in args.steer:
         try:
             parse_steer(s)

@@ -286,6 +286,12 @@ def test_compare_reports_elastic_against_static() -> None:
     assert row["slo_elastic"] == 1.0 and row["slo_static"] == 0.0
     assert (row["preemptions_elastic"], row["preemptions_static"]) == (0.0, 3.0)
     assert compare([phase("elastic", 0.1, 1.0)]) == []  # no static to compare with
+    # kvcached against the same static phase: its own keys, elastic's phase left out
+    kvc = compare([phase("elastic", 0.1, 990.0), phase("kvcached", 0.5, 1000.0),
+                   phase("static", 2.0, 1000.0)], "kvcached")  # fmt: skip
+    assert [(r["mode"], r["instance"]) for r in kvc] == [("kvcached", "a"), ("kvcached", "all")]
+    assert kvc[1]["ttft_p99_x"] == pytest.approx(4.0) and kvc[1]["slo_kvcached"] == 1.0
+    assert "slo_elastic" not in kvc[1] and kvc[1]["preemptions_kvcached"] == 0.0
 
 
 # -- samples ---------------------------------------------------------------------------------
