@@ -159,8 +159,8 @@ def holding_mappers(monkeypatch: pytest.MonkeyPatch, module: Any) -> Iterator[li
     made: list[PageThreadHold] = []
     real = module.LocalPageMapper
 
-    def held(cache: VirtualKVCache) -> PageThreadHold:
-        made.append(PageThreadHold(real(cache)))
+    def held(cache: VirtualKVCache, **options: Any) -> PageThreadHold:
+        made.append(PageThreadHold(real(cache, **options)))
         return made[-1]
 
     monkeypatch.setattr(module, "LocalPageMapper", held)
