@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -130,19 +132,33 @@ class Ballast:
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, cwd=ROOT, env=self._env,
         )  # fmt: skip
-        assert self.proc.stdout is not None
+        out = self.proc.stdout
+        assert out is not None
+        # a reader thread, so that a ballast that hangs without a word still times out;
+        # None marks the end of its output
+        lines: queue.Queue[str | None] = queue.Queue()
+
+        def read() -> None:
+            for x in out:
+                lines.put(x)
+            lines.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
         deadline = time.monotonic() + timeout
-        lines: list[str] = []
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
+        seen: list[str] = []
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = lines.get(timeout=left)
+            except queue.Empty:
                 break
-            lines.append(line)
+            if line is None:
+                break
+            seen.append(line)
             if line.startswith("{"):
                 self.report = json.loads(line)
                 return self.report
         self.stop()
-        raise RuntimeError("the GPU ballast did not start:\n" + "".join(lines[-20:]))
+        raise RuntimeError("the GPU ballast did not start:\n" + "".join(seen[-20:]))
 
     def stop(self) -> None:
         """Let the ballast go (its stdin closes; it exits and frees the memory)."""

@@ -914,6 +914,11 @@ class _Samplers:
             self._owners[rec.pid] = match[0] if match else None
         return self._owners[rec.pid]
 
+    def held(self, mode: str) -> list[dict[str, Any]]:
+        """The mapped-bytes samples of ``mode``'s instances: kvcached's segments, the
+        ledger's for elastic (and nothing to sample for static: the ledger's, unused)."""
+        return self.segments if mode == "kvcached" else self.ledger
+
     def open_ledger(self) -> Any:
         """The run's ledger (opened once its file exists); None before that."""
         if self._ledger is None:
@@ -1394,9 +1399,7 @@ class Run:
 
     def _progress(self, mode: str, clients: Sequence[Any]) -> str:
         cells = []
-        samplers = self.samplers
-        held = [] if samplers is None else (
-            samplers.segments if mode == "kvcached" else samplers.ledger)  # fmt: skip
+        held = self.samplers.held(mode) if self.samplers is not None else []
         latest = held[-1] if held and mode in SHARED_MODES else None
         for name, _p, counts, _out, n in clients:
             sent, done, err = counts[:]
@@ -1446,9 +1449,9 @@ class Run:
             ph = done[mode]
             names = list(ph["summary"]["instances"])
             cap = {s.inst.name: s.kv_bytes for s in self.servers if s.mode == mode}
-            held = self.samplers.segments if mode == "kvcached" else self.samplers.ledger
-            panels[mode] = kv_panel(mode, (ph["t_start"], ph["t_end"]), names, held,
-                                    self.samplers.gauges, cap)  # fmt: skip
+            panels[mode] = kv_panel(mode, (ph["t_start"], ph["t_end"]), names,
+                                    self.samplers.held(mode), self.samplers.gauges,
+                                    cap)  # fmt: skip
         stem = self.args.out.with_suffix("")
         tag = f"{self.plan.workload}" + (f"-peak{peak:g}" if peak is not None else "")
         path = Path(f"{stem}-kv-{tag}-r{repeat}.png")

@@ -81,9 +81,8 @@ class LocalPageMapper:
     ``pool_pages`` bounds the physical handles kept for reuse after ``commit_unmap``
     (in pages; each page is ``handles_per_page`` handles); ``None``: ``DEFAULT_POOL_PAGES``,
     fewer where that would keep more than ``DEFAULT_POOL_MAX_BYTES`` (none where one page
-    exceeds it). Pooled handles are idle device memory the instance keeps while a neighbour
-    above its share is refused, so their bytes stay bounded whatever the page. Pooled
-    handles hold device memory:
+    exceeds it): pooled handles are idle device memory that an instance keeps while a
+    neighbour above its share is refused, so their bytes stay bounded whatever the page.
     ``held_bytes`` counts them (with every other handle not yet released) and
     ``trim_pool()`` gives them back. Thread-safe; calls are serialised.
 
