@@ -40,9 +40,9 @@ class ElasticConfig:
     steps (an engine whose scheduler has no such seam refuses it at start-up);
     ``"drain"`` only stops admitting new requests into those pages and lets the running
     ones finish (no recomputation, but a neighbour waits about one request lifetime);
-    ``None`` (default): ``"preempt"`` where the engine's scheduler has the seam (vLLM
-    0.33.0's patch 0011), else ``"drain"``. ``page_bytes``: physical page size (default:
-    the smallest multiple of the backend granularity that holds whole SGLang pages).
+    ``None`` (default): ``"preempt"`` where the engine's scheduler has the seam (patch
+    0011 of kvcore's vLLM series), else ``"drain"``. ``page_bytes``: physical page size
+    (default: the smallest multiple of the backend granularity that holds whole SGLang pages).
     ``sanity``: map the zero page writable and check it at every transition (debugging).
     """
 

@@ -70,9 +70,9 @@ def check_vllm_config(vllm_config: Any, kv_cache_config: Any) -> None:
 @functools.cache
 def scheduler_preempts_to_reclaim() -> bool:
     """Whether this vLLM's ``Scheduler.schedule`` preempts the requests an elastic pool's
-    ``requests_to_reclaim`` names (the series' patch 0011: vLLM 0.33.0); without it, pages a
-    neighbour's share or a lowered limit wants back drain as their requests finish. Read
-    from the installed scheduler's source, once; ``False`` when it has none."""
+    ``requests_to_reclaim`` names (patch 0011, in every pinned release's series); without
+    it, pages a neighbour's share or a lowered limit wants back drain as their requests
+    finish. Read from the installed scheduler's source, once; ``False`` when it has none."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     try:
@@ -95,7 +95,7 @@ def check_elastic_config(config: ElasticConfig) -> None:
     if config.reclaim == "preempt" and not scheduler_preempts_to_reclaim():
         raise UnsupportedConfiguration(
             '--kvcore-config reclaim="preempt": this vLLM\'s scheduler has no seam to '
-            "preempt requests an elastic pool names (kvcore's patch 0011, vLLM 0.33.0 only)",
+            "preempt requests an elastic pool names (kvcore's patch 0011)",
             hint='drop "reclaim" (pages then drain as their requests finish) or set "drain"',
         )
 

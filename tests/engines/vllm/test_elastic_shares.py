@@ -213,26 +213,26 @@ def test_kv_cache_usage_counts_the_engines_own_blocks_not_the_budget() -> None:
     memory.close()
 
 
-def test_preempting_to_reclaim_needs_the_scheduler_seam() -> None:
-    """Patch 0011 (0.33.0 only) lets the scheduler preempt for a neighbour. Where the series
-    has it, "preempt" is the default; elsewhere the default drains and an explicit
-    "preempt" is refused at start-up, naming the key."""
-    import vllm
-
+def test_preempting_to_reclaim_needs_the_scheduler_seam(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Patch 0011 lets the scheduler preempt for a neighbour; every pinned release's series
+    has it, so "preempt" is the default. A vLLM without the seam (a series not yet rebased
+    onto it, simulated here) drains by default and refuses an explicit "preempt" at
+    start-up, naming the key."""
     from kvcore.adapters.config import ElasticConfig
-    from kvcore.adapters.vllm.checks import check_elastic_config, resolved_reclaim
+    from kvcore.adapters.vllm import checks
     from kvcore.errors import UnsupportedConfiguration
 
-    seam = vllm.__version__.startswith("0.33.0")
-    assert scheduler_preempts_to_reclaim() is seam
     default, drain = ElasticConfig.parse(None), ElasticConfig.parse({"reclaim": "drain"})
-    assert resolved_reclaim(default) == ("preempt" if seam else "drain")
-    assert resolved_reclaim(drain) == "drain"
-    check_elastic_config(default)
-    check_elastic_config(drain)
     preempt = ElasticConfig.parse({"reclaim": "preempt"})
-    if seam:
-        check_elastic_config(preempt)
-    else:
-        with pytest.raises(UnsupportedConfiguration, match='reclaim="preempt"'):
-            check_elastic_config(preempt)
+    assert scheduler_preempts_to_reclaim()
+    assert checks.resolved_reclaim(default) == "preempt"
+    for config in (default, drain, preempt):
+        checks.check_elastic_config(config)
+
+    monkeypatch.setattr(checks, "scheduler_preempts_to_reclaim", lambda: False)
+    assert checks.resolved_reclaim(default) == "drain"
+    assert checks.resolved_reclaim(drain) == "drain"
+    checks.check_elastic_config(default)
+    checks.check_elastic_config(drain)
+    with pytest.raises(UnsupportedConfiguration, match='reclaim="preempt"'):
+        checks.check_elastic_config(preempt)
