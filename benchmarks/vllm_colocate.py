@@ -16,9 +16,11 @@ and SLO:
   what another gave back.
 * ``static``: upstream vLLM, no kvcore: ``--kv-cache-memory-bytes`` per instance splits the
   same total (evenly, or by ``--static-shares``), allocated at start for the server's life.
-* ``kvcached`` (opt-in, ``--start sequential``): the anchor, kvcached on upstream vLLM 0.30.0
-  from ``--kvcached-site``; every instance plans the whole total, and a ballast process
-  leaves the kvcached instances exactly the total to share (``benchmarks/kvcached_mode.py``).
+* ``kvcached`` (opt-in): the anchor, kvcached on vLLM 0.30.0 from ``--kvcached-site``;
+  every instance plans the whole total, and a ballast process leaves the kvcached instances
+  exactly the total to share (``benchmarks/kvcached_mode.py``). The ballast would bind any
+  other server on the GPU, so this mode's servers always start after the other modes'
+  servers have stopped (``start_groups``).
 
 ``--gpu-memory-utilization`` is only vLLM's start-up check of free memory in both modes (the
 KV sizes are given in bytes, so vLLM skips its memory profiling). Prefix caching is off in
@@ -1067,6 +1069,17 @@ SERVER_START_FLOOR_S = 60.0
 """At most the quickest start of the servers seen on the H200 (docs/benchmarks.md)."""
 
 
+def start_groups(modes: Sequence[str], start: str) -> list[list[str]]:
+    """The modes whose servers are up at the same time, in the order they run: with
+    ``start`` ``"together"`` every mode but kvcached in one group, then kvcached alone (its
+    ballast holds what the GPU has free beyond the budget); with ``"sequential"`` one mode a
+    group. A group's servers stop before the next group's start."""
+    if start == "sequential":
+        return [[m] for m in modes]
+    alone = [m for m in modes if m == "kvcached"]
+    return [g for g in ([m for m in modes if m not in alone], alone) if g]
+
+
 def least_time_limit(plan: Plan) -> float:
     """The ``--time-limit-s`` below which not even the shortest phase could run after the
     servers' start: ``SERVER_START_FLOOR_S``, that trace, ``PHASE_MARGIN_S`` and
@@ -1475,7 +1488,7 @@ class Run:
 
     def run(self) -> None:
         plan = self.plan
-        groups = [plan.modes] if self.args.start == "together" else [[m] for m in plan.modes]
+        groups = start_groups(plan.modes, self.args.start)
         try:
             for group in groups:
                 self.start(group)
@@ -1490,7 +1503,7 @@ class Run:
                             self.phase(mode, peak, repeat)
                             time.sleep(self.args.gap_s)
                         self.plot(peak, repeat)
-                if self.args.start == "sequential":
+                if len(groups) > 1:
                     self._drop_ballast()
                     self._stop_servers([s for s in self.servers if s.mode in group])
         finally:
@@ -1599,10 +1612,11 @@ def build_parser() -> argparse.ArgumentParser:
       help=f"2 or 3 offline model dirs or shape names (default: {' '.join(DEFAULT_MODELS)}; "
            "steady uses the first only)")  # fmt: skip
     a("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
-      help="default: elastic static; kvcached needs --start sequential, "
-           "and --kvcached-site")  # fmt: skip
+      help="default: elastic static; kvcached (with --kvcached-site) runs after the "
+           "others, its servers alone on the GPU")  # fmt: skip
     a("--start", choices=("together", "sequential"), default="together",
-      help="start every mode's servers at once (default) or one mode after the other")  # fmt: skip
+      help="start every mode's servers at once (default; kvcached's still after the "
+           "others') or one mode after the other")  # fmt: skip
     a("--smoke", action="store_true",
       help="tiny run (~3 min): 2 small models, eager, 4 GiB KV, a 30 s trace")  # fmt: skip
     a("--seed", type=int, default=0)
@@ -1752,11 +1766,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("co-location needs at least 2 models (steady runs one)")
     elif args.workload == "handoff" and len(args.models) != 2:
         parser.error("handoff needs 2 models: the donor, then the receiver")
-    if "kvcached" in args.modes and args.start != "sequential":
-        parser.error(
-            "--modes kvcached needs --start sequential: its ballast holds the GPU's memory "
-            "beyond the KV budget, which would starve the other modes' servers"
-        )
     for s in args.steer:
         try:
             parse_steer(s)

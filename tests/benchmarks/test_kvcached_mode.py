@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import kvcached_mode
-from benchmarks.vllm_colocate import kv_panel, parse_args
+from benchmarks.vllm_colocate import kv_panel, parse_args, start_groups
 
 GiB = 1 << 30
 
@@ -69,13 +69,11 @@ def test_kv_panel_takes_kvcached_held_from_its_segments() -> None:
     assert panel["a"]["held"] == [(0.0, 0.0), (1.0, float(GiB)), (2.0, float(2 * GiB))]
 
 
-def test_kvcached_runs_only_with_a_sequential_start(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_kvcached_servers_run_alone_after_the_other_modes(tmp_path: Path) -> None:
     out = ["--out", str(tmp_path / "run.json")]
-    with pytest.raises(SystemExit):
-        parse_args([*out, "--modes", "elastic", "kvcached"])
-    assert "--modes kvcached needs --start sequential" in capsys.readouterr().err
-    args = parse_args([*out, "--modes", "static", "kvcached", "--start", "sequential"])
-    assert args.modes == ["static", "kvcached"]
     assert parse_args(out).modes == ["elastic", "static"]  # kvcached is opt-in
+    args = parse_args([*out, "--modes", "kvcached", "elastic", "static"])
+    assert start_groups(args.modes, args.start) == [["elastic", "static"], ["kvcached"]]
+    assert start_groups(["elastic", "static"], "together") == [["elastic", "static"]]
+    assert start_groups(["kvcached"], "together") == [["kvcached"]]
+    assert start_groups(["static", "kvcached"], "sequential") == [["static"], ["kvcached"]]
