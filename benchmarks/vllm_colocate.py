@@ -112,6 +112,7 @@ from benchmarks.vllm_servers import (  # stdlib only at import
     ServeProcess,
     cpu_seconds,
     delta,
+    machine_summary,
     session_of,
     stop_all,
 )
@@ -590,10 +591,12 @@ def kv_panel(
 ) -> dict[str, dict[str, Series]]:
     """Per instance of one phase, ``held`` and ``in_use`` KV bytes over phase time (seconds
     from ``window[0]``). Elastic and kvcached: held from ``ledger``, their mapped-bytes
-    samples (the ledger's; kvcached's segments); static: the fixed ``capacity``. Every
-    mode: in use = vLLM's ``kv_cache_usage_perc`` x ``capacity`` (the server's KV capacity
-    in bytes, logical for the shared modes) from the gauge samples (entries
-    ``{"t", "mode", "instance", "vllm:kv_cache_usage_perc"}``)."""
+    samples (the ledger's; kvcached's segments); static: the fixed ``capacity``. In use:
+    kvcached's segments (``used``: its patched block pool reports vLLM's usage gauge
+    against the blocks it has mapped, not against its capacity); elastic and static:
+    vLLM's ``kv_cache_usage_perc`` x ``capacity`` (the server's KV capacity in bytes,
+    logical for elastic) from the gauge samples (entries ``{"t", "mode", "instance",
+    "vllm:kv_cache_usage_perc"}``)."""
     t0, t1 = window
     panel: dict[str, dict[str, Series]] = {}
     for name in instances:
@@ -605,14 +608,21 @@ def kv_panel(
             ]
         else:
             held = [(0.0, float(capacity[name])), (t1 - t0, float(capacity[name]))]
-        use = [
-            (g["t"] - t0, float(g["vllm:kv_cache_usage_perc"]) * capacity[name])
-            for g in gauges
-            if g.get("mode") == mode
-            and g.get("instance") == name
-            and t0 <= g["t"] <= t1
-            and "vllm:kv_cache_usage_perc" in g
-        ]
+        if mode == "kvcached":
+            use = [
+                (s["t"] - t0, float(s["instances"][name]["used"]))
+                for s in ledger
+                if t0 <= s["t"] <= t1 and name in s["instances"]
+            ]
+        else:
+            use = [
+                (g["t"] - t0, float(g["vllm:kv_cache_usage_perc"]) * capacity[name])
+                for g in gauges
+                if g.get("mode") == mode
+                and g.get("instance") == name
+                and t0 <= g["t"] <= t1
+                and "vllm:kv_cache_usage_perc" in g
+            ]
         panel[name] = {"held": held, "in_use": use}
     return panel
 
@@ -686,6 +696,42 @@ def plot_kv(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_phases(
+    done: Mapping[str, Mapping[str, Any]],
+    held: Callable[[str], Sequence[Mapping[str, Any]]],
+    gauges: Sequence[Mapping[str, Any]],
+    capacity: Callable[[str], Mapping[str, int]],
+    kv_total: int,
+    workload: str,
+    stem: Path,
+) -> Path:
+    """The KV plot of one (peak, repeat): ``done`` maps each mode that ran it to its phase
+    (the document's entries: ``mode``, ``peak``, ``repeat``, ``t_start``, ``t_end``,
+    ``summary``, ``steer``); ``held(mode)`` gives that mode's mapped-bytes samples,
+    ``capacity(mode)`` its servers' KV bytes by instance. Written to
+    ``<stem>-kv-<workload>[-peak<P>]-r<R>.png``; returns that path. Raises what matplotlib
+    raises (``ImportError`` without it)."""
+    first = next(iter(done.values()))
+    peak, repeat = first["peak"], first["repeat"]
+    panels = {}
+    for mode in [m for m in MODES if m in done]:
+        ph = done[mode]
+        names = list(ph["summary"]["instances"])
+        panels[mode] = kv_panel(mode, (ph["t_start"], ph["t_end"]), names, held(mode), gauges,
+                                capacity(mode))  # fmt: skip
+    tag = workload + (f"-peak{peak:g}" if peak is not None else "")
+    path = Path(f"{stem}-kv-{tag}-r{repeat}.png")
+    title = (f"KV memory per instance, {workload}"
+             + (f" (peak {peak:g} req/s per model)" if peak is not None else "")
+             + f", KV total {kv_total / GiB:.1f} GiB")  # fmt: skip
+    marks = {
+        m: [(e["t"], f"limit {e['instance']} {e['size']}") for e in ph.get("steer", ())
+            if e.get("applied")]
+        for m, ph in done.items()
+    }  # fmt: skip
+    return plot_kv(panels, kv_total, path, title, marks)
 
 
 def parse_steer(text: str) -> tuple[float, str, str]:
@@ -1390,6 +1436,12 @@ class Run:
             cpu_s={n: delta(cpu_seconds(servers[n].proc.pid), cpu0[n])
                    for n in used},
         )  # fmt: skip
+        if self.nvml is not None:
+            record["machine"] = machine_summary(self.nvml.series, record["t_start"],
+                                                record["t_end"])  # fmt: skip
+            self.say(f"{label} machine: " + ", ".join(
+                f"{k} {v['median']:g} (max {v['max']:g})"
+                for k, v in record["machine"].items()))  # fmt: skip
         gone = [s.label for s in servers.values() if s.proc.poll() is not None]
         if gone:
             record["servers_exited"] = {g: servers[g.split("/", 1)[1]].log_tail() for g in gone}
@@ -1457,27 +1509,13 @@ class Run:
                 and p["repeat"] == repeat}  # fmt: skip
         if not done:
             return
-        panels = {}
-        for mode in [m for m in MODES if m in done]:
-            ph = done[mode]
-            names = list(ph["summary"]["instances"])
-            cap = {s.inst.name: s.kv_bytes for s in self.servers if s.mode == mode}
-            panels[mode] = kv_panel(mode, (ph["t_start"], ph["t_end"]), names,
-                                    self.samplers.held(mode), self.samplers.gauges,
-                                    cap)  # fmt: skip
-        stem = self.args.out.with_suffix("")
-        tag = f"{self.plan.workload}" + (f"-peak{peak:g}" if peak is not None else "")
-        path = Path(f"{stem}-kv-{tag}-r{repeat}.png")
-        title = (f"KV memory per instance, {self.plan.workload}"
-                 + (f" (peak {peak:g} req/s per model)" if peak is not None else "")
-                 + f", KV total {self.plan.kv_total / GiB:.1f} GiB")  # fmt: skip
-        marks = {
-            m: [(e["t"], f"limit {e['instance']} {e['size']}") for e in ph.get("steer", ())
-                if e.get("applied")]
-            for m, ph in done.items()
-        }  # fmt: skip
+        samplers = self.samplers
         try:
-            plot_kv(panels, self.plan.kv_total, path, title, marks)
+            path = plot_phases(
+                done, samplers.held, samplers.gauges,
+                lambda mode: {s.inst.name: s.kv_bytes for s in self.servers if s.mode == mode},
+                self.plan.kv_total, self.plan.workload, self.args.out.with_suffix(""),
+            )  # fmt: skip
             if str(path) not in self.plots:
                 self.plots.append(str(path))
             self.say(f"plot: {path}")

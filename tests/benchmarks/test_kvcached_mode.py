@@ -63,10 +63,14 @@ def test_a_ballast_that_cannot_start_says_why() -> None:
     ballast.stop()  # stopping twice is harmless
 
 
-def test_kv_panel_takes_kvcached_held_from_its_segments() -> None:
-    samples = [{"t": 10.0 + i, "instances": {"a": {"mapped": i * GiB}}} for i in range(3)]
-    panel = kv_panel("kvcached", (10.0, 12.0), ["a"], samples, [], {"a": 4 * GiB})
+def test_kv_panel_takes_kvcached_held_and_in_use_from_its_segments() -> None:
+    samples = [{"t": 10.0 + i, "instances": {"a": {"mapped": i * GiB, "used": i * GiB // 2}}}
+               for i in range(3)]  # fmt: skip
+    # kvcached's usage gauge counts against the blocks it has mapped: not a KV size
+    gauges = [{"t": 11.0, "mode": "kvcached", "instance": "a", "vllm:kv_cache_usage_perc": 0.9}]
+    panel = kv_panel("kvcached", (10.0, 12.0), ["a"], samples, gauges, {"a": 4 * GiB})
     assert panel["a"]["held"] == [(0.0, 0.0), (1.0, float(GiB)), (2.0, float(2 * GiB))]
+    assert panel["a"]["in_use"] == [(0.0, 0.0), (1.0, float(GiB // 2)), (2.0, float(GiB))]
 
 
 def test_kvcached_servers_run_alone_after_the_other_modes(tmp_path: Path) -> None:
