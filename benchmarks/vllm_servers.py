@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -170,7 +171,9 @@ def stop_all(servers: Sequence[ServeProcess]) -> None:
 class MemorySampler:
     """Device memory in use every ``interval`` seconds on a thread (NVML, bytes): the device
     total, and per server (the processes of its session, ``sessions`` maps session id to
-    label) where NVML lists processes."""
+    label) where NVML lists processes. Each sample also says how busy the machine was
+    (``MACHINE_KEYS``): a run slowed by something else on the host or a throttled GPU shows
+    there, not only in its latencies."""
 
     def __init__(self, sessions: dict[int, str], interval: float = 0.5) -> None:
         import pynvml
@@ -199,14 +202,40 @@ class MemorySampler:
                 held[label] = held.get(label, 0) + int(p.usedGpuMemory)
         return held
 
+    def _machine(self) -> dict[str, float]:
+        nvml, h = self._nvml, self._handle
+        got: dict[str, float] = {"load1": os.getloadavg()[0]}
+        with contextlib.suppress(nvml.NVMLError):
+            got["gpu_util"] = float(nvml.nvmlDeviceGetUtilizationRates(h).gpu)
+        with contextlib.suppress(nvml.NVMLError):
+            got["sm_mhz"] = float(nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM))
+        return got
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             used = int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
             t = round(time.monotonic() - self.t0, 2)
-            self.series.append({"t": t, "phase": self.phase, "used": used, **self._per_server()})
+            self.series.append({"t": t, "phase": self.phase, "used": used,
+                                **self._machine(), **self._per_server()})  # fmt: skip
 
     def close(self) -> list[dict[str, Any]]:
         """Stop sampling; the series."""
         self._stop.set()
         self._thread.join()
         return self.series
+
+
+MACHINE_KEYS = ("load1", "gpu_util", "sm_mhz")
+"""What ``MemorySampler`` samples of the machine: the host's 1-minute load average, the
+GPU's utilization (percent of time a kernel ran) and its SM clock (MHz)."""
+
+
+def machine_summary(series: Sequence[Mapping[str, Any]], t0: float, t1: float) -> dict[str, Any]:
+    """Median and maximum of each ``MACHINE_KEYS`` value over the samples of ``series`` with
+    ``t0 <= t <= t1`` (``MemorySampler``'s clock); keys without samples are left out."""
+    out: dict[str, Any] = {}
+    for key in MACHINE_KEYS:
+        vals = sorted(float(s[key]) for s in series if t0 <= s["t"] <= t1 and key in s)
+        if vals:
+            out[key] = {"median": statistics.median(vals), "max": vals[-1]}
+    return out

@@ -52,7 +52,7 @@ from benchmarks.vllm_colocate import (
     summarize,
     tpot,
 )
-from benchmarks.vllm_servers import parse_metrics
+from benchmarks.vllm_servers import machine_summary, parse_metrics
 from kvcore.budget import GpuLedger, LedgerGate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -563,3 +563,19 @@ def test_handoff_summary_without_samples_after_the_end_says_nothing() -> None:
     records = [{"instance": "a", "ok": True, "t_sent": 0.0, "latency": 3.0}]
     got = handoff_summary(records, [_sample(12.0, GiB, GiB)], 10.0, "a", "b")
     assert got == {"donor": "a", "receiver": "b", "donor_finished": 1}
+
+
+def test_machine_summary_takes_the_phase_window_only() -> None:
+    series = [
+        {"t": 0.5, "used": 1, "load1": 40.0, "sm_mhz": 900.0},  # before the phase
+        {"t": 1.0, "used": 1, "load1": 2.0, "gpu_util": 50.0, "sm_mhz": 1980.0},
+        {"t": 1.5, "used": 1, "load1": 4.0, "gpu_util": 90.0, "sm_mhz": 1980.0},
+        {"t": 2.0, "used": 1, "load1": 3.0, "sm_mhz": 1700.0},  # NVML had no utilization
+    ]
+    got = machine_summary(series, 1.0, 2.0)
+    assert got == {
+        "load1": {"median": 3.0, "max": 4.0},
+        "gpu_util": {"median": 70.0, "max": 90.0},
+        "sm_mhz": {"median": 1980.0, "max": 1980.0},
+    }
+    assert machine_summary(series, 5.0, 6.0) == {}
