@@ -38,8 +38,10 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from collections.abc import Callable
 from importlib.util import find_spec
 from pathlib import Path
+from typing import Any
 
 from benchmarks.offline_model import SHAPES, write_model_dir
 
@@ -90,85 +92,128 @@ SKIPPED = re.compile(
 TOOLS = ("py-spy==0.4.1",)
 """Carried beside vLLM's requirements: what the benchmarks run on the GPU machine."""
 
-LOCAL_MODULES = {"pip": "ensurepip --upgrade", "tokenizers": "pip install tokenizers"}
+LOCAL_MODULES = {
+    "pip": "ensurepip --upgrade",
+    "packaging": "pip install packaging",
+    "tokenizers": "pip install tokenizers",
+}
 """The modules beside the standard library this script needs here, each with the
 ``python -m`` arguments that install it: pip resolves and downloads the wheels,
-``tokenizers`` builds the model directories (the last step, minutes in)."""
+``packaging`` reads the requirements' markers, ``tokenizers`` builds the model directories
+(the last step, minutes in)."""
 
 PLATFORMS = ("manylinux_2_34", "manylinux_2_31", "manylinux_2_28", "manylinux_2_27",
              "manylinux_2_26", "manylinux_2_24", "manylinux_2_17", "manylinux2014",
              "manylinux1")  # fmt: skip
 
 
-def _norm(name: str) -> str:
+def norm_name(name: str) -> str:
+    """A distribution name in PEP 503's normalized form (``Foo_Bar.baz`` -> ``foo-bar-baz``)."""
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def _carried(name: str) -> bool:
     """Whether the distribution ``name`` travels: neither in the image nor ``NOT_CARRIED``."""
-    name = _norm(name)
+    name = norm_name(name)
     return name not in IMAGE and not NOT_CARRIED.match(name)
 
 
-def _pip_target_args(python: str) -> list[str]:
+def pip_target_args(python: str) -> list[str]:
+    """pip options that resolve and download binary wheels for the GPU machine: CPython
+    ``python`` on the manylinux ``PLATFORMS`` of x86-64."""
     args = ["--only-binary=:all:", "--python-version", python, "--implementation", "cp"]
     for p in PLATFORMS:
         args += ["--platform", f"{p}_x86_64"]
     return args
 
 
-def _requirements(wheel: Path) -> list[str]:
+def target_environment(python: str) -> dict[str, str]:
+    """Marker variables of the GPU machine: CPython ``python`` on x86-64 Linux, no extra."""
+    return {
+        "python_version": python,
+        "python_full_version": f"{python}.0",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "os_name": "posix",
+        "extra": "",
+    }
+
+
+def wheel_metadata(wheel: Path) -> str:
+    """The text of a wheel's ``.dist-info/METADATA``. Raises ``ValueError`` without one."""
     with zipfile.ZipFile(wheel) as zf:
-        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
-        lines = zf.read(meta).decode().splitlines()
+        names = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
+        if not names:
+            raise ValueError(f"{wheel.name}: no .dist-info/METADATA")
+        return zf.read(names[0]).decode()
+
+
+def requirements(
+    metadata: str, python: str, carried: Callable[[str], bool] = _carried
+) -> list[str]:
+    """The runtime requirements in a wheel's ``METADATA`` text that apply on the GPU machine
+    (markers evaluated for ``target_environment``, so no extras) and travel (``carried``),
+    markers dropped."""
+    from packaging.requirements import Requirement
+
+    env = target_environment(python)
     reqs = []
-    for line in lines:
+    for line in metadata.splitlines():
         if not line.startswith("Requires-Dist: "):
             continue
-        req = line.removeprefix("Requires-Dist: ")
-        marker = req.partition(";")[2].strip()
-        if "extra ==" in marker or marker == 'platform_machine == "s390x"':
+        req = Requirement(line.removeprefix("Requires-Dist: "))
+        if req.marker is not None and not req.marker.evaluate(env):
             continue
-        if _carried(re.split(r"[\s\[<>=!~;]", req, maxsplit=1)[0]):
-            reqs.append(req)
+        if carried(req.name):
+            extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+            reqs.append(f"{req.name}{extras}{req.specifier}")
     return reqs
 
 
-def resolve(wheel: Path, python: str, work: Path) -> list[tuple[str, str, str]]:
-    """``(name, version, url)`` of every wheel to carry: pip's resolution of the forked
-    wheel's runtime requirements for the target platform, less what the image has."""
+def resolve(
+    reqs: list[str], python: str, work: Path, carried: Callable[[str], bool] = _carried
+) -> list[tuple[str, str, str]]:
+    """``(name, version, url)`` of every wheel to carry: pip's resolution of ``reqs`` for the
+    target platform, less what does not travel (``carried``); reused from ``work`` while
+    ``reqs`` are unchanged."""
     req_file = work / "requirements.txt"
-    req_file.write_text("\n".join([*_requirements(wheel), *TOOLS]) + "\n")
-    report = work / "report.json"
-    if report.exists() and (work / "requirements.used").read_text() == req_file.read_text():
+    req_file.write_text("\n".join(reqs) + "\n")
+    report, used = work / "report.json", work / "requirements.used"
+    if report.exists() and used.exists() and used.read_text() == req_file.read_text():
         print("reusing the last resolution (delete work/report.json to resolve again)")
-        return _picked(report)
+        return picked(json.loads(report.read_text()), carried)
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
-           *_pip_target_args(python), "--target", str(work / "target"),
+           *pip_target_args(python), "--target", str(work / "target"),
            "--report", str(report), "-r", str(req_file)]  # fmt: skip
-    print("resolving vLLM's requirements for the GPU machine (pip, ~2 min) ...", flush=True)
+    print("resolving the requirements for the GPU machine (pip, minutes) ...", flush=True)
     subprocess.run(cmd, check=True)
-    shutil.copy(req_file, work / "requirements.used")
-    return _picked(report)
+    shutil.copy(req_file, used)
+    return picked(json.loads(report.read_text()), carried)
 
 
-def _picked(report: Path) -> list[tuple[str, str, str]]:
-    picked = []
-    for item in json.loads(report.read_text())["install"]:
-        name = _norm(item["metadata"]["name"])
-        if _carried(name):
-            picked.append((name, item["metadata"]["version"], item["download_info"]["url"]))
-    return sorted(picked)
+def picked(
+    report: dict[str, Any], carried: Callable[[str], bool] = _carried
+) -> list[tuple[str, str, str]]:
+    """``(name, version, url)`` of each carried distribution of a ``pip install --report``."""
+    out = []
+    for item in report["install"]:
+        name = norm_name(item["metadata"]["name"])
+        if carried(name):
+            out.append((name, item["metadata"]["version"], item["download_info"]["url"]))
+    return sorted(out)
 
 
-def _download(picked: list[tuple[str, str, str]], python: str, dest: Path) -> list[Path]:
+def download_wheels(picked: list[tuple[str, str, str]], python: str, dest: Path) -> list[Path]:
     """The wheel of every ``picked`` pin, downloading what ``dest`` lacks. ``dest`` is a cache
     kept between runs, so it may hold wheels of an earlier resolution: only the pinned ones
     are returned (two versions of one package in a bundle make pip refuse the install)."""
     dest.mkdir(parents=True, exist_ok=True)
 
     def cached() -> dict[str, Path]:
-        return {_norm(w.name.split("-")[0]) + "==" + w.name.split("-")[1]: w
+        return {norm_name(w.name.split("-")[0]) + "==" + w.name.split("-")[1]: w
                 for w in dest.glob("*.whl")}  # fmt: skip
 
     wanted = [f"{n}=={v}" for n, v, _ in picked]
@@ -176,12 +221,12 @@ def _download(picked: list[tuple[str, str, str]], python: str, dest: Path) -> li
     if specs:
         print(f"downloading {len(specs)} wheels ...", flush=True)
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-               *_pip_target_args(python), "-d", str(dest), *specs]  # fmt: skip
+               *pip_target_args(python), "-d", str(dest), *specs]  # fmt: skip
         subprocess.run(cmd, check=True)
     have = cached()
     missing = [spec for spec in wanted if spec not in have]
     if missing:
-        raise SystemExit(f"vllm_bundle: pip downloaded no wheel for {', '.join(missing)}")
+        raise SystemExit(f"pip downloaded no wheel for {', '.join(missing)}")
     return sorted(have[spec] for spec in wanted)
 
 
@@ -221,7 +266,9 @@ def _python_tree(wheel: Path, dest: Path, cache: Path) -> tuple[Path, list[Path]
     return tree, bigs
 
 
-def _models(dest: Path) -> Path:
+def models_member(dest: Path) -> Path:
+    """``dest/models.tar.xz``: the offline model directory of every ``SHAPES`` entry, under
+    ``models/`` (``benchmarks/offline_model.py``); its path."""
     out = dest / "models.tar.xz"
     with tempfile.TemporaryDirectory() as tmp:
         for shape in SHAPES:
@@ -278,7 +325,7 @@ def default_part_mib(checkout: int) -> int:
     return CALL_MIB - -(-checkout // (1 << 20)) - CHECKOUT_MARGIN_MIB
 
 
-def _pack(files: list[Path], out: Path, limit: int) -> list[list[Path]]:
+def pack_parts(files: list[Path], out: Path, limit: int) -> list[list[Path]]:
     """First-fit-decreasing into parts of at most ``limit`` bytes each (a larger file goes
     in pieces, ``split_member``)."""
     parts: list[list[Path]] = []
@@ -299,6 +346,38 @@ def _pack(files: list[Path], out: Path, limit: int) -> list[list[Path]]:
             for f in members:
                 tar.add(f, arcname=f.name)
     return parts
+
+
+def wheels_member(wheels: list[Path], dest: Path) -> Path:
+    """``dest/wheels.tar``: ``wheels`` under ``wheels/`` (the device script installs them
+    with pip, no index, no dependencies); its path."""
+    out = dest / "wheels.tar"
+    with tarfile.open(out, "w") as tar:
+        for w in wheels:
+            tar.add(w, arcname=f"wheels/{w.name}")
+    return out
+
+
+def write_parts(
+    members: list[Path], out: Path, limit: int, manifest: dict[str, object]
+) -> dict[str, object]:
+    """``members`` packed into ``out/part-N.tar`` (``pack_parts``, at most ``limit`` bytes
+    each, parts of an earlier run removed first), and ``out/manifest.json``: ``manifest``
+    plus ``parts`` (part name -> member names) and the model ``shapes``. Prints each part's
+    size; returns the manifest written."""
+    for old in out.glob("part-*.tar"):
+        old.unlink()
+    parts = pack_parts(members, out, limit)
+    manifest = {
+        **manifest,
+        "parts": {f"part-{i}.tar": [p.name for p in ps] for i, ps in enumerate(parts, 1)},
+        "shapes": sorted(SHAPES),
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    for i, ps in enumerate(parts, 1):
+        size = (out / f"part-{i}.tar").stat().st_size
+        print(f"{out / f'part-{i}.tar'}: {size / 2**20:.1f} MiB: {', '.join(p.name for p in ps)}")
+    return manifest
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -326,34 +405,20 @@ def main(argv: list[str] | None = None) -> None:
         (ROOT / "dist").glob(f"vllm-{args.version}+kvcore.*.whl"), key=lambda p: p.stat().st_mtime
     )
     args.out.mkdir(parents=True, exist_ok=True)
-    for old in args.out.glob("part-*.tar"):
-        old.unlink()
     work = args.out / "work"  # kept: a second run reuses the resolution and downloads
     work.mkdir(exist_ok=True)
-    picked = resolve(wheel, args.python, work)
-    wheels = _download(picked, args.python, work / "wheels")
+    pins = resolve([*requirements(wheel_metadata(wheel), args.python), *TOOLS], args.python, work)
+    wheels = download_wheels(pins, args.python, work / "wheels")
     staged = work / "staged"
     if staged.exists():
         shutil.rmtree(staged)
     staged.mkdir()
-    deps = staged / "wheels.tar"
-    with tarfile.open(deps, "w") as tar:
-        for w in wheels:
-            tar.add(w, arcname=f"wheels/{w.name}")
+    deps = wheels_member(wheels, staged)
     tree, bigs = _python_tree(wheel, staged, work / "xz")
-    models = _models(staged)
-    parts = _pack([deps, tree, models, *bigs], args.out, args.part_mib << 20)
-    manifest = {
-        "wheel": wheel.name,
-        "python": args.python,
-        "wheels": [{"name": n, "version": v, "url": u} for n, v, u in picked],
-        "parts": {f"part-{i}.tar": [p.name for p in ps] for i, ps in enumerate(parts, 1)},
-        "shapes": sorted(SHAPES),
-    }
-    (args.out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    for name, members in manifest["parts"].items():
-        size = (args.out / name).stat().st_size
-        print(f"{args.out / name}: {size / 2**20:.1f} MiB: {', '.join(members)}")
+    models = models_member(staged)
+    listed = [{"name": n, "version": v, "url": u} for n, v, u in pins]
+    write_parts([deps, tree, models, *bigs], args.out, args.part_mib << 20,
+                {"wheel": wheel.name, "python": args.python, "wheels": listed})  # fmt: skip
 
 
 if __name__ == "__main__":

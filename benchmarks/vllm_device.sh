@@ -19,15 +19,15 @@ set -euo pipefail
 KVDEV=${KVDEV:-/tmp/kvdev}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 
+DEV=$KVDEV
+# shellcheck source=benchmarks/device_parts.sh
+source "$repo/benchmarks/device_parts.sh"
+
 member() {  # install one bundle member (a file under $tmp)
   local f=$1 dest
   case "$f" in
-    */wheels.tar)
-      tar -xf "$f" -C "$tmp"
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-        --target "$KVDEV/site" "$tmp"/wheels/*.whl ;;
+    */wheels.tar | */models.tar.xz) shared_member "$f" ;;
     */vllm-py.tar.xz) tar -xJf "$f" -C "$KVDEV/site" ;;
-    */models.tar.xz) tar -xJf "$f" -C "$KVDEV" ;;
     *.so.xz)  # the file name is the module's path with / written as %
       dest="$KVDEV/site/$(basename "$f" .xz | tr '%' '/')"
       mkdir -p "$(dirname "$dest")"
@@ -36,39 +36,9 @@ member() {  # install one bundle member (a file under $tmp)
   esac
 }
 
-piece() {  # keep a piece (NAME.K-of-N); once all N are here, join and install NAME
-  local f=$1 name k n i
-  name=$(basename "$f"); n=${name##*-of-}; k=${name%-of-*}; k=${k##*.}; name=${name%.*-of-*}
-  mkdir -p "$KVDEV/pieces"
-  mv "$f" "$KVDEV/pieces/"
-  for i in $(seq 1 "$n"); do
-    [ -e "$KVDEV/pieces/$name.$i-of-$n" ] || { echo "kept piece $k of $n of $name"; return; }
-  done
-  for i in $(seq 1 "$n"); do cat "$KVDEV/pieces/$name.$i-of-$n"; done >"$tmp/$name"
-  rm -f "$KVDEV/pieces/$name".*-of-"$n"
-  member "$tmp/$name"
-  echo "joined $n pieces of $name"
-}
-
-unpack() {
-  local part=$1 f
-  tmp=$(mktemp -d)
-  tar -xf "$part" -C "$tmp"
-  mkdir -p "$KVDEV/site" "$KVDEV/parts"
-  for f in "$tmp"/*; do
-    case "$f" in
-      *.[0-9]*-of-[0-9]*) piece "$f" ;;
-      *) member "$f" ;;
-    esac
-  done
-  touch "$KVDEV/parts/$(basename "$part")"
-  rm -rf "$tmp"
-  echo "unpacked $(basename "$part") into $KVDEV"
-}
-
 case "${1:-}" in
   unpack) shift; for p in "$@"; do unpack "$p"; done ;;
-  status) ls "$KVDEV/parts" 2>/dev/null || echo "nothing unpacked in $KVDEV" ;;
+  status) status ;;
   run)
     shift
     export PYTHONPATH="$KVDEV/site:$repo${PYTHONPATH:+:$PYTHONPATH}"

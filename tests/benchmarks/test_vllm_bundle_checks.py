@@ -22,7 +22,7 @@ def test_a_missing_module_stops_the_bundle_before_any_work(
         raise AssertionError("the bundle started working")
 
     monkeypatch.setattr(vllm_bundle, "find_spec", without_tokenizers)
-    for slow in ("resolve", "_download", "_python_tree", "_models"):
+    for slow in ("resolve", "download_wheels", "_python_tree", "models_member"):
         monkeypatch.setattr(vllm_bundle, slow, no_work)
     assert "tokenizers" in vllm_bundle.missing_modules()
     out = tmp_path / "bundle"

@@ -1,5 +1,5 @@
 """A bundle member larger than a part travels in pieces and is joined on the GPU machine:
-``vllm_bundle.split_member`` / ``_pack`` here, ``vllm_device.sh unpack`` there (run here on
+``vllm_bundle.split_member`` / ``pack_parts`` here, ``vllm_device.sh unpack`` there (run here on
 a tiny bundle, its parts unpacked in reverse order, one call each)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def test_a_large_member_is_split_and_joined_back_whatever_the_part_order(
     out = tmp_path / "out"
     out.mkdir()
     limit = 128 << 10
-    parts = vllm_bundle._pack([big, small], out, limit)
+    parts = vllm_bundle.pack_parts([big, small], out, limit)
     names = [p.name for members in parts for p in members]
     assert big.name not in names and sum(n.startswith(big.name + ".") for n in names) == 3
     tars = sorted(out.glob("part-*.tar"))
@@ -60,7 +60,7 @@ def test_only_the_pinned_wheels_of_the_cache_are_bundled(tmp_path: Path) -> None
                  "Annotated_Types-0.8.0-py3-none-any.whl"):  # fmt: skip
         (cache / name).write_bytes(b"")
     picked = [("annotated-types", "0.8.0", "file:///a"), ("anthropic", "2.15.0", "file:///b")]
-    wheels = vllm_bundle._download(picked, "3.12", cache)  # all cached: pip is not run
+    wheels = vllm_bundle.download_wheels(picked, "3.12", cache)  # all cached: pip is not run
     assert [w.name for w in wheels] == [
         "Annotated_Types-0.8.0-py3-none-any.whl",
         "anthropic-2.15.0-py3-none-any.whl",
