@@ -17,8 +17,10 @@ engine whose limit ``kvctl`` lowers sheds its cached blocks down to it and serve
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -75,23 +77,24 @@ def run_engine(*flags: str, env: dict[str, str] | None = None, timeout: int = 48
     (``"output"``), where vLLM names the KV cache layout it resolved."""
     cmd = [sys.executable, str(HERE / "gpu_generate.py"), "--model", MODEL, *flags]
     with tempfile.TemporaryDirectory(prefix="kvcore-vllm-cache-") as cache:
+        # its own session, killed whole once it is done: vLLM's engine core and torch's
+        # compile workers must not outlive the engine and slow what runs next on the machine
+        proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, "VLLM_TARGET_DEVICE": "cuda", "VLLM_CACHE_ROOT": cache,
+                 **(env or {})},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )  # fmt: skip
         try:
-            proc = subprocess.run(
-                cmd,
-                env={
-                    **os.environ,
-                    "VLLM_TARGET_DEVICE": "cuda",
-                    "VLLM_CACHE_ROOT": cache,
-                    **(env or {}),
-                },
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-            )
-        except subprocess.TimeoutExpired as exc:
-            return f"{' '.join(flags)}: no report after {exc.timeout} s"
-    output = proc.stdout + proc.stderr
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVCORE-REPORT ")]
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return f"{' '.join(flags)}: no report after {timeout} s"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    output = stdout + stderr
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("KVCORE-REPORT ")]
     if proc.returncode != 0 or not lines:
         tail = "\n".join(output.splitlines()[-60:])
         return f"{' '.join(flags)}: exit {proc.returncode}\n{tail}"
