@@ -203,11 +203,13 @@ class MemorySampler:
         return held
 
     def _machine(self) -> dict[str, float]:
+        # informative only: a driver or binding without one of these leaves it out, and
+        # never stops the memory samples
         nvml, h = self._nvml, self._handle
         got: dict[str, float] = {"load1": os.getloadavg()[0]}
-        with contextlib.suppress(nvml.NVMLError):
+        with contextlib.suppress(Exception):
             got["gpu_util"] = float(nvml.nvmlDeviceGetUtilizationRates(h).gpu)
-        with contextlib.suppress(nvml.NVMLError):
+        with contextlib.suppress(Exception):
             got["sm_mhz"] = float(nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM))
         return got
 

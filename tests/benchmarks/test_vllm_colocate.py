@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -52,7 +53,7 @@ from benchmarks.vllm_colocate import (
     summarize,
     tpot,
 )
-from benchmarks.vllm_servers import machine_summary, parse_metrics
+from benchmarks.vllm_servers import MemorySampler, machine_summary, parse_metrics
 from kvcore.budget import GpuLedger, LedgerGate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -579,3 +580,38 @@ def test_machine_summary_takes_the_phase_window_only() -> None:
         "sm_mhz": {"median": 1980.0, "max": 1980.0},
     }
     assert machine_summary(series, 5.0, 6.0) == {}
+
+
+def test_memory_sampler_samples_the_machine_without_every_nvml_query(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A binding without the SM clock (no ``NVML_CLOCK_SM``) and a driver refusing the
+    utilization leave those out; the memory samples go on."""
+    import types
+
+    class NVMLError(Exception):
+        pass
+
+    def refuse(_handle: object) -> None:
+        raise NVMLError("not supported")
+
+    nvml = types.SimpleNamespace(
+        NVMLError=NVMLError,
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda i: 0,
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=123),
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [],
+        nvmlDeviceGetUtilizationRates=refuse,
+        nvmlDeviceGetClockInfo=lambda h, clock: 1980,
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    sampler = MemorySampler({}, interval=0.01)
+    try:
+        deadline = time.monotonic() + 30
+        while len(sampler.series) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        series = sampler.close()
+    assert len(series) >= 2
+    assert {k for k in series[-1] if k not in ("t", "phase")} == {"used", "load1"}
+    assert series[-1]["used"] == 123
