@@ -55,6 +55,7 @@ def tests(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("-e", ".[test]")
     session.install(*PATCHQ_DEPS)  # tests/patchq drive the repository's patch tooling
+    session.install("matplotlib")  # tests/benchmarks draw the benchmarks' plots
     # tests/test_noxfile.py runs nox itself, with the interpreter running this nox
     env = {"PYTHONHASHSEED": "0", "KVCORE_NOX_PYTHON": sys.executable}
     # tests/engines/ need an engine installed: their own sessions (test-<engine>-<v>) run them.
