@@ -39,14 +39,15 @@ import shutil
 import sys
 import tarfile
 import zipfile
-from importlib.util import find_spec
 from pathlib import Path
 
 from benchmarks.vllm_bundle import (
     IMAGE,
+    LOCAL_MODULES,
     checkout_bytes,
     default_part_mib,
     download_wheels,
+    missing_modules,
     models_member,
     norm_name,
     requirements,
@@ -81,14 +82,6 @@ SKIPPED = re.compile(
 models only) and the Rust extensions of the Rust HTTP server (``SGLANG_RUST_SERVER``, off by
 default), the native gRPC server (``--grpc-port``), the benchmark client and multimodal
 processors: 41 MiB, loaded by ``load_rust_extension`` on those paths only."""
-
-LOCAL_MODULES = {
-    "pip": "ensurepip --upgrade",
-    "packaging": "pip install packaging",
-    "tokenizers": "pip install tokenizers",
-}
-"""Modules beside the standard library this script needs here, with the ``python -m``
-arguments that install each."""
 
 
 class BundleError(RuntimeError):
@@ -147,11 +140,6 @@ def _kernel_pin(wheel: Path) -> str:
             if norm_name(req.name) == KERNEL and pins:
                 return pins[0]
     raise BundleError(f"{wheel.name}: no {KERNEL}==V requirement")
-
-
-def missing_modules() -> list[str]:
-    """The ``LOCAL_MODULES`` this Python cannot import (looked up, not imported)."""
-    return [name for name in LOCAL_MODULES if find_spec(name) is None]
 
 
 def main(argv: list[str] | None = None) -> None:
