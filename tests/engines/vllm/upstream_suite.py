@@ -21,6 +21,11 @@ switch the patched engine reads: every such coordinator-built block pool becomes
 ``ElasticBlockPool`` on the ``host`` backend with 4 KiB pages. Tests that build vLLM's
 ``BlockPool`` directly test upstream's class in every mode.
 
+``run --skip-failing-in RUN.json`` leaves out the tests that failed or errored in that
+earlier run (the upstream run: on this CPU machine about half of the suite's time goes to
+tests that cannot start an engine core here, in every mode). ``compare`` judges only tests
+that passed upstream, so leaving the others out of the patched runs loses no verdict.
+
 ``run`` writes ``<out>`` (JSON: nodeid -> passed/failed/skipped/error); ``compare`` prints
 the table of modes and exits 1 when a patched mode fails a test that upstream passed,
 unless that test is listed in ``ELASTIC_EXPECTED`` with the reason.
@@ -35,6 +40,7 @@ Usage, from the repository root (the ``test-vllm-<short>`` nox session runs thes
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import subprocess
@@ -101,6 +107,55 @@ def _kvcore_elastic_on(monkeypatch):
 """
 
 
+# Where ``run --skip-failing-in`` lists the tests to leave out, beside the conftest; the
+# conftest's collection hook (``_skip_hook``) deselects them.
+_SKIP_FILE = "kvcore_skip.json"
+
+
+def junit_key(nodeid: str) -> str:
+    """The key ``parse_junit`` gives the test pytest calls ``nodeid``: JUnit's classname
+    (the module path dotted, then any classes) with dots made slashes, ``.py::``, the
+    test's name with its parameters (``tests/v1/core/test_x.py::TestA::test_b[1]`` ->
+    ``tests/v1/core/test_x/TestA.py::test_b[1]``). As pytest's JUnit report, the nodeid is
+    split before its parameters, which may hold ``::`` or dots."""
+    address, bracket, params = nodeid.partition("[")
+    path, *rest = address.split("::")
+    classname = ".".join([path.removesuffix(".py").replace("/", "."), *rest[:-1]])
+    return classname.replace(".", "/") + ".py::" + rest[-1] + bracket + params
+
+
+def _skip_hook() -> str:
+    """The conftest text that deselects the tests keyed in ``_SKIP_FILE``. It carries
+    ``junit_key``'s own source: the extracted tree cannot import this module."""
+    return f"""
+# Written by kvcore's upstream_suite.py (--skip-failing-in): deselect the tests that failed
+# in the run named there; they cannot show a regression (compare judges only tests that
+# passed upstream).
+import json as _json
+from pathlib import Path as _Path
+
+{inspect.getsource(junit_key)}
+
+def pytest_collection_modifyitems(config, items):
+    skip = set(_json.loads((_Path(__file__).parent / "{_SKIP_FILE}").read_text()))
+    left_out = [item for item in items if junit_key(item.nodeid) in skip]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if junit_key(item.nodeid) not in skip]
+"""
+
+
+def write_conftest(folder: Path, mode: str, skip: frozenset[str] = frozenset()) -> None:
+    """Write the harness's ``conftest.py`` for ``mode`` into ``folder`` (replacing the
+    release's), and the list of tests it deselects (``skip``, keyed as ``junit_key``)."""
+    text = _CLEANUP_OVERRIDE + (_ELASTIC_ON if mode == "elastic-on" else "")
+    (folder / _SKIP_FILE).unlink(missing_ok=True)
+    if skip:
+        (folder / _SKIP_FILE).write_text(json.dumps(sorted(skip), indent=0))
+        text += _skip_hook()
+    (folder / "conftest.py").write_text(text)
+
+
 def _fetch_sdist(version: str) -> Path:
     out = subprocess.run(
         [sys.executable, "-m", "patchq", "fetch", "vllm", version, "sdist"],
@@ -112,8 +167,9 @@ def _fetch_sdist(version: str) -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
-def prepare(version: str, work: Path, mode: str) -> Path:
-    """Extract the release's tests into ``work/<mode>`` and write the harness files."""
+def prepare(version: str, work: Path, mode: str, skip: frozenset[str] = frozenset()) -> Path:
+    """Extract the release's tests into ``work/<mode>`` and write the harness files; the
+    tests keyed in ``skip`` (``junit_key``) are deselected."""
     tree = work / mode
     if not (tree / "tests").is_dir():
         sdist = _fetch_sdist(version)
@@ -128,16 +184,30 @@ def prepare(version: str, work: Path, mode: str) -> Path:
             for m in members:
                 m.name = m.name[len(prefix) :]
             tar.extractall(tree, members=members, filter="data")
-    conftest = tree / "tests" / "v1" / "core" / "conftest.py"
-    text = _CLEANUP_OVERRIDE + (_ELASTIC_ON if mode == "elastic-on" else "")
-    conftest.write_text(text)
+    write_conftest(tree / "tests" / "v1" / "core", mode, skip)
     write_hub_cache(work / "hf-hub")
     return tree
 
 
-def run(version: str, mode: str, work: Path, out: Path, pytest_args: list[str]) -> int:
+def failing_in(run_json: Path) -> frozenset[str]:
+    """The tests a ``run`` output records as failed or errored."""
+    results = json.loads(run_json.read_text())["results"]
+    return frozenset(n for n, r in results.items() if r["outcome"] in ("failed", "error"))
+
+
+def run(
+    version: str,
+    mode: str,
+    work: Path,
+    out: Path,
+    pytest_args: list[str],
+    skip: frozenset[str] = frozenset(),
+) -> int:
+    """Run the release's ``tests/v1/core`` in ``mode`` less the tests keyed in ``skip``;
+    write the results to ``out``. Returns 0 when pytest ran (failures are for ``compare``
+    to judge), pytest's code when it could not."""
     out = out.resolve()  # pytest runs in the extracted tree
-    tree = prepare(version, work, mode)
+    tree = prepare(version, work, mode, skip)
     junit = out.with_suffix(".xml")
     env = dict(os.environ)
     env.update(
@@ -164,7 +234,7 @@ def run(version: str, mode: str, work: Path, out: Path, pytest_args: list[str]) 
         cmd.append("tests/v1/core")
     started = time.monotonic()
     rc = subprocess.run(cmd, cwd=tree, env=env, check=False).returncode
-    results = _parse_junit(junit)
+    results = parse_junit(junit)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
@@ -172,6 +242,7 @@ def run(version: str, mode: str, work: Path, out: Path, pytest_args: list[str]) 
                 "version": version,
                 "mode": mode,
                 "wall_s": round(time.monotonic() - started, 1),
+                "left_out": len(skip),
                 "results": results,
             },
             indent=1,
@@ -179,11 +250,15 @@ def run(version: str, mode: str, work: Path, out: Path, pytest_args: list[str]) 
         )
     )
     counts = _counts(results)
-    print(f"vllm {version} tests/v1/core [{mode}]: {_fmt(counts)} (pytest rc={rc})")
+    left = f", {len(skip)} failing upstream left out" if skip else ""
+    print(f"vllm {version} tests/v1/core [{mode}]: {_fmt(counts)}{left} (pytest rc={rc})")
     return 0 if rc in (0, 1) else rc  # failures are judged by `compare`, not here
 
 
-def _parse_junit(path: Path) -> dict[str, dict[str, str]]:
+def parse_junit(path: Path) -> dict[str, dict[str, str]]:
+    """A JUnit XML report's tests: ``junit_key`` -> ``{"outcome", "why"}`` (outcome passed,
+    failed, error or skipped; why: the first line of the message, at most 200 characters);
+    empty when the report is missing."""
     results: dict[str, dict[str, str]] = {}
     if not path.exists():
         return results
@@ -285,12 +360,21 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--mode", choices=MODES, required=True)
     r.add_argument("--work", type=Path, default=ROOT / ".nox" / "_vllm-upstream-tests")
     r.add_argument("--out", type=Path, required=True)
+    r.add_argument(
+        "--skip-failing-in",
+        type=Path,
+        metavar="RUN_JSON",
+        help="leave out the tests that failed or errored in this earlier run's output",
+    )
     r.add_argument("pytest_args", nargs="*")
     c = sub.add_parser("compare")
     c.add_argument("paths", nargs="+", type=Path)
     args = parser.parse_args(argv)
     if args.cmd == "run":
-        return run(args.version, args.mode, args.work / args.version, args.out, args.pytest_args)
+        skip = failing_in(args.skip_failing_in) if args.skip_failing_in else frozenset()
+        return run(
+            args.version, args.mode, args.work / args.version, args.out, args.pytest_args, skip
+        )
     return compare(args.paths, _expected())
 
 
