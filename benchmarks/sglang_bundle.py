@@ -84,6 +84,15 @@ default), the native gRPC server (``--grpc-port``), the benchmark client and mul
 processors: 41 MiB, loaded by ``load_rust_extension`` on those paths only."""
 
 
+STANDINS = {
+    "sglang/kernels/ops/gemm/cutedsl_dual_gemm.py": ROOT
+    / "benchmarks/sglang_compat/standin/cutedsl_dual_gemm.py",
+}
+"""Members of the SGLang tree packed from a stand-in instead of the wheel: modules a dense
+model on the GPU machine imports but cannot load there and never runs (each stand-in's
+docstring says why, and what upstream does instead)."""
+
+
 class BundleError(RuntimeError):
     """A wheel lacks what the bundle needs from it."""
 
@@ -101,13 +110,20 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) -> Non
 
 
 def sglang_tree(wheel: Path, dest: Path) -> Path:
-    """``dest/sglang-py.tar.xz``: every member of the forked wheel but ``SKIPPED``."""
+    """``dest/sglang-py.tar.xz``: every member of the forked wheel but ``SKIPPED``, the
+    ``STANDINS`` members from their stand-ins. Raises ``BundleError`` when the wheel lacks a
+    member a stand-in replaces (a release that moved it needs its own check)."""
     tree = dest / "sglang-py.tar.xz"
     with zipfile.ZipFile(wheel) as zf, tarfile.open(tree, "w:xz") as tar:
+        absent = set(STANDINS) - set(zf.namelist())
+        if absent:
+            raise BundleError(f"{wheel.name}: no {', '.join(sorted(absent))} to stand in for")
         for info in zf.infolist():
             if not info.is_dir() and not SKIPPED.match(info.filename):
-                mode = 0o755 if info.filename.endswith(".so") else 0o644
-                _add(tar, info.filename, zf.read(info), mode)
+                name = info.filename
+                mode = 0o755 if name.endswith(".so") else 0o644
+                data = STANDINS[name].read_bytes() if name in STANDINS else zf.read(info)
+                _add(tar, name, data, mode)
     return tree
 
 
@@ -185,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         "python": args.python,
         "sgl_kernel": f"{kernel.name}: Python files and dist-info only",
         "skipped": SKIPPED.pattern,
+        "standins": {m: str(p.relative_to(ROOT)) for m, p in STANDINS.items()},
         "wheels": [{"name": n, "version": v, "url": u} for n, v, u in pins],
     })  # fmt: skip
 

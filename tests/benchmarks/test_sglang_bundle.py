@@ -17,6 +17,7 @@ import pytest
 from benchmarks import sglang_bundle, vllm_bundle
 
 ROOT = Path(__file__).resolve().parents[2]
+DUAL_GEMM = "sglang/kernels/ops/gemm/cutedsl_dual_gemm.py"
 
 METADATA = """\
 Metadata-Version: 2.1
@@ -108,16 +109,60 @@ def test_the_sglang_tree_leaves_out_the_skipped_members(tmp_path: Path) -> None:
         "sglang/srt/mem_cache/rust_tree_core/mem_cache.cpython-312-x86_64-linux-gnu.so": b"x",
         "sglang/multimodal_gen/runtime/server.py": b"",
         "sglang/multimodal/keep.py": b"",
+        DUAL_GEMM: b"import cutlass\n",
         "sglang-0.5.23+kvcore.4.dist-info/METADATA": METADATA.encode(),
     })  # fmt: skip
     tree = sglang_bundle.sglang_tree(wheel, tmp_path)
     assert _names(tree) == [
         "sglang-0.5.23+kvcore.4.dist-info/METADATA",
         "sglang/__init__.py",
+        DUAL_GEMM,
         "sglang/multimodal/keep.py",
         "sglang/srt/mem_cache/rust_tree_core/mem_cache.cpython-312-x86_64-linux-gnu.so",
         "sglang/srt/rust_extensions/loader.py",
     ]
+    with tarfile.open(tree) as tar:
+        packed = tar.extractfile(DUAL_GEMM).read()  # type: ignore[union-attr]
+    assert packed == sglang_bundle.STANDINS[DUAL_GEMM].read_bytes()
+
+
+def test_a_wheel_without_a_member_a_standin_replaces_is_refused(tmp_path: Path) -> None:
+    wheel = _wheel(tmp_path / "sglang.whl", {"sglang/__init__.py": b""})
+    with pytest.raises(sglang_bundle.BundleError, match=r"cutedsl_dual_gemm\.py to stand in for"):
+        sglang_bundle.sglang_tree(wheel, tmp_path)
+
+
+def test_the_dual_gemm_standin_answers_as_upstream_before_blackwell(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What ``DualGemm`` reads: upstream's names and values, ``False`` without SM100 (the
+    stand-in asks SGLang's own ``is_sm100_supported``, stood in for here: SGLang is not
+    installed in this session), a refusal with it."""
+    import importlib.util
+    import sys
+    import types
+
+    spec = importlib.util.spec_from_file_location(
+        "standin_dual_gemm", sglang_bundle.STANDINS[DUAL_GEMM]
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.MAX_DUAL_GEMM_DECODE_TOKENS == 16
+    assert [(m.name, m.value) for m in mod.DualGemmQuantMode] == [
+        ("STATIC_PER_TENSOR", 0), ("STATIC_PER_TOKEN", 1), ("DYNAMIC_PER_TENSOR", 2),
+        ("DYNAMIC_PER_TOKEN", 3), ("UNQUANT", 4),
+    ]  # fmt: skip
+    sm100 = [False]
+    utils = types.ModuleType("sglang.srt.utils")
+    utils.is_sm100_supported = lambda: sm100[0]  # type: ignore[attr-defined]
+    for name in ("sglang", "sglang.srt"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.utils", utils)
+    assert mod.can_use_dual_gemm(16, 4096, 14336, mod.DualGemmQuantMode.UNQUANT) is False
+    sm100[0] = True
+    with pytest.raises(RuntimeError, match="before Blackwell"):
+        mod.can_use_dual_gemm(16, 4096, 14336, mod.DualGemmQuantMode.UNQUANT)
 
 
 def test_the_kernel_tree_takes_python_files_and_dist_info_only(tmp_path: Path) -> None:
