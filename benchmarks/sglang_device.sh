@@ -41,6 +41,11 @@ case "${1:-}" in
     export PYTHONPATH="$SGDEV/site:$standin:$repo${PYTHONPATH:+:$PYTHONPATH}"
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 DO_NOT_TRACK=1
     export KVCORE_MODEL_DIR=${KVCORE_MODEL_DIR:-$SGDEV/models/qwen3-0.6b}
+    # SGLang's default radix tree core is its Rust one, whose binary (tch) was built for a
+    # newer torch: on the image's torch 2.11 it panics on the first tensor it reads
+    # ("UnknownKind(18)"). SGLang's Python tree core runs instead, with elastic KV on and off
+    # (elastic mode picks it anyway: kvcore.adapters.sglang.eviction).
+    export SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=${SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND:-python}
     export PATH="$SGDEV/site/bin:$PATH"
     exec "$@" ;;
   *) sed -n '2,17p' "$0"; exit 2 ;;

@@ -227,9 +227,14 @@ def test_parts_unpack_and_run_on_the_device_whatever_their_order(tmp_path: Path)
     assert (sgdev / "site" / "sglang" / "blob.bin").read_bytes() == payload
     assert (sgdev / "site" / "sgl_kernel" / "__init__.py").exists()
     assert list((sgdev / "pieces").iterdir()) == []
-    code = "import os, sys, sgl_kernel; print(os.environ['KVCORE_MODEL_DIR']); print(sys.path)"
+    code = (
+        "import os, sys, sgl_kernel; print(os.environ['KVCORE_MODEL_DIR']); "
+        "print(os.environ['SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND']); print(sys.path)"
+    )
+    env.pop("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", None)
     run = subprocess.run(["bash", script, "run", "python3", "-c", code], env=env, check=True,
                          capture_output=True, text=True)  # fmt: skip
-    model_dir, path = run.stdout.splitlines()
+    model_dir, tree_core, path = run.stdout.splitlines()
     assert model_dir == str(sgdev / "models" / "qwen3-0.6b")
+    assert tree_core == "python"  # the Rust core's binary cannot read the image's tensors
     assert str(ROOT / "benchmarks" / "sglang_compat" / "standin") in path
