@@ -88,8 +88,8 @@ def parse_metrics(text: str, names: Sequence[str]) -> dict[str, float]:
 
 
 class ServeProcess:
-    """One ``vllm serve`` (``cmd``) in its own session on ``port``, its output appended to
-    ``log_path``; ``label`` names it in messages."""
+    """One server (``cmd``: ``vllm serve``, or SGLang's ``launch_server``) in its own session
+    on ``port``, its output appended to ``log_path``; ``label`` names it in messages."""
 
     def __init__(
         self, cmd: Sequence[str], env: Mapping[str, str], port: int, log_path: Path, label: str
@@ -109,12 +109,11 @@ class ServeProcess:
         the server has exited."""
         if self.proc.poll() is not None:
             raise RuntimeError(
-                f"vllm serve ({self.label}) exited with {self.proc.returncode}\n"
-                + self.log_tail(3000)
+                f"server {self.label!r} exited with {self.proc.returncode}\n" + self.log_tail(3000)
             )
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                ok = r.status == 200
+                ok = bool(r.status == 200)
         except OSError:
             return False
         if ok and self.start_s is None:

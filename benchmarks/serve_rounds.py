@@ -1,0 +1,205 @@
+"""Interleaved rounds of an engine's own benchmark client against servers of one model in
+several modes, for ``vllm_serve.py`` and ``sglang_serve.py``.
+
+All servers of a model are up at once (each in its own session: ``vllm_servers.ServeProcess``),
+so machine drift falls on every mode alike. In each of ``--repeats`` rounds every rate of
+``--rates`` is sent to every server in turn, the order rotating between rounds; seed = the
+round, so every mode gets the same prompts and no round hits another's prefix cache. Each
+client result carries, for its server and run, the CPU seconds of the server's processes by
+name (``/proc``) and the deltas of its Prometheus counters; with ``--py-spy`` one run per
+server is sampled by ``py-spy record``. Device memory is sampled through NVML while the
+servers run (``vllm_servers.MemorySampler``). ``summarize`` gives per rate each mode's
+median over the rounds and its ratio to ``off``.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from benchmarks.vllm_servers import MemorySampler, cpu_seconds, delta, stop_all
+
+METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+"""What every client result must hold (``None`` where the client could not measure it)."""
+
+
+class ModeServer(Protocol):
+    """A server ``run_rounds`` drives: a ``vllm_servers.ServeProcess`` with its mode."""
+
+    mode: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    start_s: float | None
+    log_path: Path
+
+    def ready(self) -> bool: ...
+    def metrics(self, names: Sequence[str]) -> dict[str, float]: ...
+
+
+Bench = Callable[[ModeServer, str, int], dict[str, Any]]
+"""One client run: ``(server, rate, seed)`` -> at least ``METRICS``, ``completed``,
+``num_prompts`` and ``duration``."""
+
+
+class _PySpy:
+    """``py-spy record`` of every process of one server (raw collapsed stacks in ``path``)
+    from construction to ``stop()``."""
+
+    def __init__(self, server: ModeServer, path: Path, extra: list[str]) -> None:
+        self.path = path
+        self.proc = subprocess.Popen(
+            ["py-spy", "record", "--pid", str(server.proc.pid), "--subprocesses",
+             "--rate", "200", "--format", "raw", "--output", str(path), "--nonblocking",
+             *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        time.sleep(1.0)  # attach before the load starts
+
+    def stop(self) -> str:
+        """Stop sampling; the output file's name, or py-spy's complaint."""
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            _, err = self.proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        if self.path.exists():
+            return self.path.name
+        return f"py-spy failed ({self.proc.returncode}): {err.decode(errors='replace')[-500:]}"
+
+
+def run_rounds(
+    model: str,
+    servers: Sequence[ModeServer],
+    bench: Bench,
+    counters: Sequence[str],
+    args: Any,
+    results: list[dict[str, Any]],
+) -> None:
+    """Wait for ``servers`` (all of ``model``), run the rounds, stop them. The model's result
+    joins ``results``, written to ``args.out`` after every client run (a run cut short keeps
+    what it measured). Reads from ``args``: ``start_timeout``, ``repeats``, ``rates``,
+    ``out``, ``py_spy``, ``py_spy_round``, ``py_spy_rate``, ``py_spy_args``. Raises
+    ``TimeoutError`` when a server is not up in time and ``RuntimeError`` when one exits
+    (its servers are stopped either way)."""
+    name = Path(model).name
+    sampler = MemorySampler({s.proc.pid: s.mode for s in servers})
+    runs: list[dict[str, Any]] = []
+    result: dict[str, Any] = {"model": name, "modes": [s.mode for s in servers], "runs": runs}
+    results.append(result)
+    try:
+        deadline = time.monotonic() + args.start_timeout
+        while not all(s.ready() for s in servers):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"servers not ready after {args.start_timeout:.0f} s")
+            time.sleep(1.0)
+        print(f"{name}: up in " + ", ".join(f"{s.mode} {s.start_s} s" for s in servers))
+        sampler.phase = "idle"
+        time.sleep(3.0)
+        for r in range(args.repeats):
+            order = list(servers[r % len(servers) :]) + list(servers[: r % len(servers)])
+            for rate in args.rates:
+                for s in order:
+                    sampler.phase = f"{s.mode} rate={rate} round={r}"
+                    spy = None
+                    if args.py_spy and r == args.py_spy_round and rate == args.py_spy_rate:
+                        spy = _PySpy(
+                            s, args.out.parent / f"pyspy-{name}-{s.mode}.txt",
+                            args.py_spy_args.split(),
+                        )  # fmt: skip
+                    cpu0, count0 = cpu_seconds(s.proc.pid), s.metrics(counters)
+                    got = bench(s, rate, r)
+                    got["cpu_s"] = delta(cpu_seconds(s.proc.pid), cpu0)
+                    got["counters"] = delta(s.metrics(counters), count0)
+                    if spy is not None:
+                        got["py_spy"] = spy.stop()
+                    runs.append({"mode": s.mode, "rate": rate, "round": r, **got})
+                    write(args, results)
+                    sampler.phase = "idle"
+                    print(f"  round {r} rate {rate:>4} {s.mode:>9}: "
+                          f"{got['output_throughput']:.0f} tok/s, "
+                          f"TPOT p50 {got['median_tpot_ms']:.2f} ms", flush=True)  # fmt: skip
+                    time.sleep(2.0)
+    finally:
+        # the series so far first: a call limit reached while the servers stop keeps it
+        result["memory"] = list(sampler.series)
+        result["start_s"] = {s.mode: s.start_s for s in servers}
+        write(args, results)
+        stop_all(servers)  # type: ignore[arg-type]
+        sampler.phase = "stopped"
+        time.sleep(3.0)
+        result["memory"] = sampler.close()
+        result["logs"] = {s.mode: s.log_path.read_text(errors="replace")[-4000:] for s in servers}
+        write(args, results)
+
+
+def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per model and rate: each mode's median of each metric over the rounds and its ratio to
+    ``off`` (upstream as users run it); ``first_*``: the first round alone."""
+    rows = []
+    for res in results:
+        for rate in dict.fromkeys(r["rate"] for r in res["runs"]):
+            row: dict[str, Any] = {"model": res["model"], "rate": rate}
+            for mode in res["modes"]:
+                runs = [r for r in res["runs"] if r["mode"] == mode and r["rate"] == rate]
+                for m in METRICS:
+                    vals = [r[m] for r in runs if r.get(m) is not None]
+                    row[f"{m}_{mode}"] = statistics.median(vals) if vals else None
+                    first = [r[m] for r in runs if r["round"] == 0 and r.get(m) is not None]
+                    row[f"first_{m}_{mode}"] = first[0] if first else None
+            for mode in res["modes"]:
+                for m in METRICS:
+                    for key in (f"{m}_{{}}", f"first_{m}_{{}}"):
+                        base, val = row.get(key.format("off")), row[key.format(mode)]
+                        row[key.format(mode) + "_ratio"] = val / base if base and val else None
+            rows.append(row)
+    return rows
+
+
+def print_summary(results: list[dict[str, Any]], modes: Sequence[str]) -> None:
+    """One line per model, rate and mode: each metric's median and its ratio to ``off``."""
+    for row in summarize(results):
+        for mode in modes:
+            cells = [
+                f"{m} {row[f'{m}_{mode}']:.1f} ({row[f'{m}_{mode}_ratio']:.3f}x)"
+                for m in METRICS
+                if row[f"{m}_{mode}_ratio"] is not None
+            ]
+            first = row.get(f"first_output_throughput_{mode}_ratio")
+            cells.append(f"first round {first:.3f}x" if first else "")
+            print(f"{row['model']:>12} rate={row['rate']:>4} {mode:>9}: " + "  ".join(cells))
+
+
+def write(args: Any, results: list[dict[str, Any]]) -> None:
+    """``args.out``: the command line, every model's result and the summary, as JSON."""
+    doc = {"argv": sys.argv[1:], "results": results, "summary": summarize(results)}
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def add_round_args(parser: Any) -> None:
+    """The options ``run_rounds`` reads (and ``--out``), on an ``argparse`` parser."""
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over every server")
+    parser.add_argument("--rates", nargs="+", default=["inf", "16"])
+    parser.add_argument("--num-prompts", type=int, default=500, help="at rate inf")
+    parser.add_argument("--num-prompts-rate", type=int, default=240, help="at a finite rate")
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--py-spy", action="store_true", help="sample one run per server with py-spy"
+    )
+    parser.add_argument("--py-spy-round", type=int, default=1)
+    parser.add_argument("--py-spy-rate", default="inf")
+    parser.add_argument(
+        "--py-spy-args",
+        default="",
+        help="more py-spy record options, written with '=': --py-spy-args='--idle' (threads "
+        "waiting on a lock or the GIL too), --py-spy-args='--idle --native' (C frames too)",
+    )
