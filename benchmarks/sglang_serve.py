@@ -1,0 +1,153 @@
+"""SGLang's server with elastic KV on and off, loaded by SGLang's own benchmark client.
+
+Per model shape, one ``python -m sglang.launch_server`` per mode of ``--modes`` starts at
+once, each on its own port with the same KV capacity: ``--max-total-tokens`` is ``--kv-gib``
+of the model's KV bytes per token (upstream allocates that pool at start; elastic KV plans
+it as its logical capacity and maps pages as they fill), under a ``--mem-fraction-static``
+small enough for all servers to fit (``--mem-fraction-static``; SGLang takes that share of
+the GPU for weights and KV, then caps the KV at ``--max-total-tokens``):
+
+* ``off``: upstream code;
+* ``on``: ``--kvcore-elastic`` (with ``--kvcore-config`` when given).
+
+Arguments after ``--`` go to every server (the GPU machine's flags: ``--attention-backend
+triton --sampling-backend pytorch --grammar-backend none``; ``--page-size 16`` for the paged
+allocator). Then ``--repeats`` interleaved rounds (``serve_rounds.run_rounds``), each run by
+SGLang's own client as users run it, ``python -m sglang.bench_serving --backend sglang``
+(in a subprocess: its options are built inside its ``cli_main``): ``random-ids`` prompts of
+exactly ``--input-len`` tokens (token ids, no dataset download), ``--output-len`` tokens out
+(``ignore_eos``, SGLang's client default), seed = the round. Counters come from the
+servers' ``/metrics`` (``--enable-metrics``): retractions (SGLang's preemption), cached and
+generated tokens.
+
+    bash benchmarks/sglang_device.sh run python3 -m benchmarks.sglang_serve \\
+        --models /tmp/sgdev/models/qwen3-0.6b --out $OUT/sglang-serve.json -- \\
+        --attention-backend triton --sampling-backend pytorch --grammar-backend none
+
+Runs where SGLang, a GPU and the offline model directories are (``sglang_device.sh``);
+needs ``nvidia-ml-py`` for the memory series.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from benchmarks.serve_rounds import METRICS, add_round_args, print_summary, run_rounds
+from benchmarks.vllm_servers import ServeProcess
+
+MODES = {"off": False, "on": True}
+"""Mode -> elastic KV."""
+COUNTERS = (
+    "sglang:num_retracted_requests_total",
+    "sglang:cached_tokens_total",
+    "sglang:prompt_tokens_total",
+    "sglang:generation_tokens_total",
+)
+"""Prometheus counters of the server whose change over each run is recorded."""
+GiB = 1 << 30
+
+
+def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 2) -> int:
+    """KV bytes one token takes in every layer of a dense attention model's ``config.json``
+    (K and V, ``num_key_value_heads`` of ``head_dim``; ``head_dim`` defaults to
+    ``hidden_size // num_attention_heads``)."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    return int(config["num_hidden_layers"] * 2 * heads * head_dim * dtype_bytes)
+
+
+class Server(ServeProcess):
+    """One SGLang server of one mode (``MODES``) for ``model``."""
+
+    def __init__(
+        self, model: str, mode: str, port: int, args: Any, server_args: list[str], log: Path
+    ) -> None:
+        self.mode = mode
+        config = json.loads((Path(model) / "config.json").read_text())
+        tokens = int(args.kv_gib * GiB) // kv_bytes_per_token(config)
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model,
+               "--load-format", "dummy", "--port", str(port), "--random-seed", "0",
+               "--mem-fraction-static", str(args.mem_fraction_static),
+               "--max-total-tokens", str(tokens), "--enable-metrics", *server_args]  # fmt: skip
+        if MODES[mode]:
+            cmd.append("--kvcore-elastic")
+            if args.kvcore_config:
+                cmd += ["--kvcore-config", args.kvcore_config]
+        super().__init__(cmd, os.environ, port, log, mode)
+
+
+def _run_bench(
+    model: str, args: Any, work: Path, server: Any, rate: str, seed: int
+) -> dict[str, Any]:
+    """One ``python -m sglang.bench_serving`` run against ``server``; its result line.
+    Raises ``RuntimeError`` with the client's output when it writes no result."""
+    num_prompts = args.num_prompts if rate == "inf" else args.num_prompts_rate
+    port = server.port
+    out = work / f"bench-{port}-{rate}-{seed}.jsonl"
+    cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
+           "--base-url", f"http://127.0.0.1:{port}", "--model", model, "--tokenizer", model,
+           "--dataset-name", "random-ids", "--random-input-len", str(args.input_len),
+           "--random-output-len", str(args.output_len), "--random-range-ratio", "1.0",
+           "--num-prompts", str(num_prompts), "--request-rate", rate, "--seed", str(seed),
+           "--output-file", str(out), "--disable-tqdm"]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if not out.exists():
+        raise RuntimeError(
+            f"sglang.bench_serving wrote no result (exit {run.returncode}):\n"
+            + (run.stdout + run.stderr)[-3000:]
+        )
+    data = json.loads(out.read_text().splitlines()[-1])
+    return {k: data.get(k) for k in (*METRICS, "completed", "duration")} | {
+        "num_prompts": num_prompts
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", required=True, help="offline model directories")
+    parser.add_argument("--modes", nargs="+", default=["off", "on"], choices=list(MODES))
+    add_round_args(parser)
+    parser.add_argument("--kv-gib", type=float, default=20.0, help="KV capacity per server")
+    parser.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=0.4,
+        help="SGLang's share of the GPU per server (weights + KV; the KV is --kv-gib): keep "
+        "the servers' sum under 1",
+    )
+    parser.add_argument("--kvcore-config", default=None, help="--kvcore-config JSON (on side)")
+    parser.add_argument("--port", type=int, default=30011, help="first server's port")
+    parser.add_argument("--start-timeout", type=float, default=420.0)
+    args = parser.parse_args(argv[:split])
+    server_args = argv[split + 1 :]
+    # `timeout` and the device tool stop a run with SIGTERM: unwind, so the servers stop
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if "off" not in args.modes:
+        parser.error("--modes must include off: ratios are to upstream")
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for model in args.models:
+            name = Path(model).name
+            servers = [
+                Server(model, m, args.port + i, args, server_args, work / f"{name}-{m}.log")
+                for i, m in enumerate(args.modes)
+            ]
+            run_rounds(model, servers, partial(_run_bench, model, args, work), COUNTERS, args,
+                       results)  # fmt: skip
+    print_summary(results, args.modes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""``benchmarks.sglang_serve`` on CPU: stand-ins for SGLang's server and benchmark client
+(SGLang cannot serve on a CPU machine) and for NVML, so what is checked is the benchmark's
+own work: the command each mode's server gets, the client's command and result line, the
+rounds, the counters and the ratios to ``off``."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import sglang_serve
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The server records its command line; /metrics counts the /generate-free runs the client
+# reports to it (POST /run), so the counter deltas are known.
+_SERVER = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+open(f"{sys.argv[sys.argv.index('--port') + 1]}.cmd", "w").write(json.dumps(sys.argv))
+runs = [0]
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        if self.path == "/metrics":
+            self.wfile.write(f"sglang:generation_tokens_total {runs[0] * 100}.0\\n".encode())
+
+    def do_POST(self):
+        runs[0] += 1
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+# The client tells the server a run happened and writes SGLang's result line: the elastic
+# server (the second port) is 10% slower.
+_CLIENT = """
+import json, sys, urllib.request
+a = sys.argv
+url = a[a.index("--base-url") + 1]
+urllib.request.urlopen(urllib.request.Request(url + "/run", b"", method="POST"))
+slow = 1.1 if url.endswith("1") else 1.0
+line = {"output_throughput": 1000 / slow, "median_ttft_ms": 10 * slow, "p99_ttft_ms": 20.0,
+        "median_tpot_ms": 5 * slow, "p99_tpot_ms": 9.0, "duration": 1.0, "argv": a[1:],
+        "completed": int(a[a.index("--num-prompts") + 1])}
+open(a[a.index("--output-file") + 1], "a").write(json.dumps(line) + "\\n")
+"""
+
+_NVML = """
+class NVMLError(Exception):
+    pass
+NVML_CLOCK_SM = 1
+def nvmlInit(): pass
+def nvmlDeviceGetHandleByIndex(i): return 0
+def nvmlDeviceGetComputeRunningProcesses(h): return []
+def nvmlDeviceGetMemoryInfo(h):
+    class M: used = 1 << 30
+    return M()
+def nvmlDeviceGetUtilizationRates(h): raise NVMLError("not here")
+def nvmlDeviceGetClockInfo(h, c): raise NVMLError("not here")
+"""
+
+
+def _free_port_pair() -> int:
+    """A port ending in 0 whose next port is free too (the client tells them apart)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1]) // 10 * 10
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+def test_kv_bytes_per_token_of_the_test_shapes() -> None:
+    llama = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "hidden_size": 4096}  # fmt: skip
+    qwen = {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+            "hidden_size": 1024, "head_dim": 128}  # fmt: skip
+    assert sglang_serve.kv_bytes_per_token(llama) == 131072
+    assert sglang_serve.kv_bytes_per_token(qwen) == 114688
+
+
+@pytest.mark.slow
+def test_rounds_of_both_modes_with_sglangs_client(tmp_path: Path) -> None:
+    fake = tmp_path / "fake"
+    (fake / "sglang").mkdir(parents=True)
+    (fake / "sglang" / "__init__.py").write_text("")
+    (fake / "sglang" / "launch_server.py").write_text(_SERVER)
+    (fake / "sglang" / "bench_serving.py").write_text(_CLIENT)
+    (fake / "pynvml.py").write_text(_NVML)
+    model = tmp_path / "qwen3-0.6b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "hidden_size": 1024, "head_dim": 128,
+    }))  # fmt: skip
+    out = tmp_path / "serve.json"
+    port = _free_port_pair()
+    env = {**os.environ, "PYTHONPATH": f"{fake}{os.pathsep}{ROOT}"}
+    cmd = [sys.executable, "-m", "benchmarks.sglang_serve", "--models", str(model),
+           "--out", str(out), "--repeats", "2", "--rates", "inf", "--num-prompts", "7",
+           "--kv-gib", "1", "--port", str(port), "--kvcore-config", '{"reserve_min": 2}',
+           "--start-timeout", "120", "--", "--attention-backend", "triton"]  # fmt: skip
+    run = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    off_cmd = json.loads((tmp_path / f"{port}.cmd").read_text())
+    on_cmd = json.loads((tmp_path / f"{port + 1}.cmd").read_text())
+    tokens = str((1 << 30) // 114688)
+    for cmd_line in (off_cmd, on_cmd):
+        assert cmd_line[cmd_line.index("--max-total-tokens") + 1] == tokens
+        assert "--enable-metrics" in cmd_line and "--attention-backend" in cmd_line
+    assert "--kvcore-elastic" not in off_cmd
+    assert on_cmd[on_cmd.index("--kvcore-config") + 1] == '{"reserve_min": 2}'
+
+    doc = json.loads(out.read_text())
+    runs = doc["results"][0]["runs"]
+    assert [(r["mode"], r["round"]) for r in runs] == [("off", 0), ("on", 0), ("on", 1), ("off", 1)]
+    assert all(r["completed"] == 7 and r["num_prompts"] == 7 for r in runs)
+    # the server's counter moved by one client run each time
+    assert all(r["counters"] == {"sglang:generation_tokens_total": 100.0} for r in runs)
+    (row,) = doc["summary"]
+    assert row["output_throughput_on_ratio"] == pytest.approx(1 / 1.1)
+    assert row["median_tpot_ms_on_ratio"] == pytest.approx(1.1)
+    assert "on: output_throughput 909.1 (0.909x)" in run.stdout
