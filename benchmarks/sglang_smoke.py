@@ -12,9 +12,10 @@ once up, after the batch and after the stop.
     python -m benchmarks.sglang_smoke --model /tmp/sgdev/models/qwen3-0.6b --out $OUT/smoke \\
         -- --attention-backend triton --sampling-backend pytorch --grammar-backend none
 
-Arguments after ``--`` go to every server. Writes ``<out>/smoke.json`` (per mode: start
-seconds, memory, outputs; and whether the modes agree token for token) and a log per
-server; exits 1 when a mode fails to serve or the outputs differ.
+Arguments after ``--`` go to every server, ``--kvcore-config`` to the elastic one. Writes
+``<out>/smoke.json`` (per mode: start seconds, memory, outputs; and whether the modes agree
+token for token) and a log per server; exits 1 when a mode fails to serve or the outputs
+differ.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ def serve_once(
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(args.model),
            "--load-format", "dummy", "--port", str(args.port), "--random-seed", "0",
            *MODES[mode], *server_args]  # fmt: skip
+    if mode == "on" and args.kvcore_config:
+        cmd += ["--kvcore-config", args.kvcore_config]
     seen: dict[str, Any] = {"mode": mode, "cmd": cmd, "used_mib": {"before": gpu_used_mib()}}
     server = ServeProcess(cmd, os.environ, args.port,
                           args.out / f"server-{mode}.log", f"sglang {mode}")  # fmt: skip
@@ -126,6 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--start-timeout-s", type=float, default=240)
+    parser.add_argument(
+        "--kvcore-config",
+        default=None,
+        help="--kvcore-config JSON for the elastic server, e.g. a limit_bytes that makes "
+        "requests wait (add --enable-deterministic-inference after -- so that a different "
+        "batch composition cannot change the tokens)",
+    )
     args = parser.parse_args(argv[:split])
     server_args = argv[split + 1 :]
     args.out.mkdir(parents=True, exist_ok=True)
