@@ -95,6 +95,7 @@ class ServeProcess:
         self, cmd: Sequence[str], env: Mapping[str, str], port: int, log_path: Path, label: str
     ) -> None:
         self.cmd, self.port, self.log_path, self.label = list(cmd), port, log_path, label
+        _let_children_take_sigint()
         self._log = log_path.open("ab")
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(
@@ -137,6 +138,18 @@ class ServeProcess:
     def stop(self) -> None:
         """``stop_all([self])``."""
         stop_all([self])
+
+
+def _let_children_take_sigint() -> None:
+    """Make the servers started from here interruptible: a process started from a
+    non-interactive shell's background job (``cmd &``, ``nohup``) ignores SIGINT, and an
+    ignored signal stays ignored across ``exec``, so ``stop_all``'s SIGINT would reach
+    nothing and each stop would wait for SIGKILL. A handler is reset to the default at
+    ``exec``, so installing Python's own here lets the servers (Python too) install theirs.
+    Only the main thread may; elsewhere nothing changes."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def stop_all(servers: Sequence[ServeProcess]) -> None:
