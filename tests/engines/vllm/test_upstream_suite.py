@@ -59,6 +59,9 @@ def _run(tree: Path, junit: Path) -> dict[str, dict[str, str]]:
 def test_patched_runs_leave_out_what_failed_upstream(tmp_path: Path) -> None:
     suite = tmp_path / "tree" / "tests" / "v1" / "core"
     suite.mkdir(parents=True)
+    # the tree is pytest's rootdir, as the sdist's pyproject.toml makes the real one (nox puts
+    # tmp_path inside this repository, whose pyproject.toml would be found instead)
+    (tmp_path / "tree" / "pytest.ini").write_text("[pytest]\n")
     (suite / "test_shapes.py").write_text(_TESTS)
     upstream_suite.write_conftest(suite, "upstream")
     first = _run(tmp_path / "tree", tmp_path / "upstream.xml")
