@@ -65,6 +65,30 @@ def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 2) -> int:
     return int(config["num_hidden_layers"] * 2 * heads * head_dim * dtype_bytes)
 
 
+def launch_server_cmd(
+    model: str | Path, port: int, elastic: bool, kvcore_config: str | None, extra: list[str]
+) -> list[str]:
+    """SGLang's ``launch_server`` of ``model`` with seeded dummy weights on ``port``, elastic KV
+    on (with ``kvcore_config``, if any) or off, then ``extra``: the one command line the SGLang
+    benchmarks (this one, ``sglang_smoke.py``) start servers with."""
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+           "--load-format", "dummy", "--port", str(port), "--random-seed", "0", *extra]  # fmt: skip
+    if elastic:
+        cmd.append("--kvcore-elastic")
+        if kvcore_config:
+            cmd += ["--kvcore-config", kvcore_config]
+    return cmd
+
+
+def split_server_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` split at its first ``--``: the benchmark's own arguments, and those that go
+    to every server."""
+    if "--" not in argv:
+        return argv, []
+    split = argv.index("--")
+    return argv[:split], argv[split + 1 :]
+
+
 class Server(ServeProcess):
     """One SGLang server of one mode (``MODES``) for ``model``."""
 
@@ -74,14 +98,10 @@ class Server(ServeProcess):
         self.mode = mode
         config = json.loads((Path(model) / "config.json").read_text())
         tokens = int(args.kv_gib * GiB) // kv_bytes_per_token(config)
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model,
-               "--load-format", "dummy", "--port", str(port), "--random-seed", "0",
-               "--mem-fraction-static", str(args.mem_fraction_static),
-               "--max-total-tokens", str(tokens), "--enable-metrics", *server_args]  # fmt: skip
-        if MODES[mode]:
-            cmd.append("--kvcore-elastic")
-            if args.kvcore_config:
-                cmd += ["--kvcore-config", args.kvcore_config]
+        sized = ["--mem-fraction-static", str(args.mem_fraction_static),
+                 "--max-total-tokens", str(tokens), "--enable-metrics"]  # fmt: skip
+        cmd = launch_server_cmd(model, port, MODES[mode], args.kvcore_config,
+                                [*sized, *server_args])  # fmt: skip
         super().__init__(cmd, os.environ, port, log, mode)
 
 
@@ -112,8 +132,7 @@ def _run_bench(
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    split = argv.index("--") if "--" in argv else len(argv)
+    own, server_args = split_server_args(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", required=True, help="offline model directories")
     parser.add_argument("--modes", nargs="+", default=["off", "on"], choices=list(MODES))
@@ -129,8 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kvcore-config", default=None, help="--kvcore-config JSON (on side)")
     parser.add_argument("--port", type=int, default=30011, help="first server's port")
     parser.add_argument("--start-timeout", type=float, default=420.0)
-    args = parser.parse_args(argv[:split])
-    server_args = argv[split + 1 :]
+    args = parser.parse_args(own)
     # `timeout` and the device tool stop a run with SIGTERM: unwind, so the servers stop
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if "off" not in args.modes:

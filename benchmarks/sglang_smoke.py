@@ -31,9 +31,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from benchmarks.sglang_serve import MODES, launch_server_cmd, split_server_args
 from benchmarks.vllm_servers import ServeProcess
-
-MODES = {"on": ["--kvcore-elastic"], "off": []}
 
 
 def batch(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -87,11 +86,7 @@ def serve_once(
     mode: str, args: argparse.Namespace, prompts: list[list[int]], server_args: list[str]
 ) -> dict[str, Any]:
     """Start the server in ``mode``, run the batch twice, stop it; what was seen."""
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(args.model),
-           "--load-format", "dummy", "--port", str(args.port), "--random-seed", "0",
-           *MODES[mode], *server_args]  # fmt: skip
-    if mode == "on" and args.kvcore_config:
-        cmd += ["--kvcore-config", args.kvcore_config]
+    cmd = launch_server_cmd(args.model, args.port, MODES[mode], args.kvcore_config, server_args)
     seen: dict[str, Any] = {"mode": mode, "cmd": cmd, "used_mib": {"before": gpu_used_mib()}}
     server = ServeProcess(cmd, os.environ, args.port,
                           args.out / f"server-{mode}.log", f"sglang {mode}")  # fmt: skip
@@ -120,8 +115,7 @@ def serve_once(
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    split = argv.index("--") if "--" in argv else len(argv)
+    own, server_args = split_server_args(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True, help="an offline model directory")
     parser.add_argument("--out", type=Path, required=True, help="folder for smoke.json, logs")
@@ -136,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests wait (add --enable-deterministic-inference after -- so that a different "
         "batch composition cannot change the tokens)",
     )
-    args = parser.parse_args(argv[:split])
-    server_args = argv[split + 1 :]
+    args = parser.parse_args(own)
     args.out.mkdir(parents=True, exist_ok=True)
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     prompts = batch(vocab)
