@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from benchmarks.vllm_servers import MemorySampler, cpu_seconds, delta, stop_all
+from benchmarks.vllm_servers import MemorySampler, cpu_seconds, delta, stop_all, wait_ready
 
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 """What every client result must hold (``None`` where the client could not measure it)."""
@@ -95,11 +95,7 @@ def run_rounds(
     result: dict[str, Any] = {"model": name, "modes": [s.mode for s in servers], "runs": runs}
     results.append(result)
     try:
-        deadline = time.monotonic() + args.start_timeout
-        while not all(s.ready() for s in servers):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"servers not ready after {args.start_timeout:.0f} s")
-            time.sleep(1.0)
+        wait_ready(servers, args.start_timeout)  # type: ignore[arg-type]
         print(f"{name}: up in " + ", ".join(f"{s.mode} {s.start_s} s" for s in servers))
         sampler.phase = "idle"
         time.sleep(3.0)

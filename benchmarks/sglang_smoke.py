@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.sglang_serve import MODES, launch_server_cmd, split_server_args
-from benchmarks.vllm_servers import ServeProcess
+from benchmarks.vllm_servers import ServeProcess, wait_ready
 
 
 def batch(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -91,11 +91,7 @@ def serve_once(
     server = ServeProcess(cmd, os.environ, args.port,
                           args.out / f"server-{mode}.log", f"sglang {mode}")  # fmt: skip
     try:
-        deadline = time.monotonic() + args.start_timeout_s
-        while not server.ready():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"not up after {args.start_timeout_s} s")
-            time.sleep(1)
+        wait_ready([server], args.start_timeout_s)
         seen["start_s"] = server.start_s
         seen["used_mib"]["up"] = gpu_used_mib()
         rounds = []

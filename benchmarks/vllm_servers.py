@@ -140,6 +140,16 @@ class ServeProcess:
         stop_all([self])
 
 
+def wait_ready(servers: Sequence[ServeProcess], timeout: float) -> None:
+    """Poll every server's ``/health`` once a second until all answer. Raises
+    ``TimeoutError`` after ``timeout`` seconds, ``RuntimeError`` (``ready``) when one exits."""
+    deadline = time.monotonic() + timeout
+    while not all(s.ready() for s in servers):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"servers not ready after {timeout:.0f} s")
+        time.sleep(1.0)
+
+
 def _let_children_take_sigint() -> None:
     """Make the servers started from here interruptible: a process started from a
     non-interactive shell's background job (``cmd &``, ``nohup``) ignores SIGINT, and an
