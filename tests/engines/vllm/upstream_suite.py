@@ -138,10 +138,12 @@ from pathlib import Path as _Path
 
 def pytest_collection_modifyitems(config, items):
     skip = set(_json.loads((_Path(__file__).parent / "{_SKIP_FILE}").read_text()))
-    left_out = [item for item in items if junit_key(item.nodeid) in skip]
+    kept, left_out = [], []
+    for item in items:
+        (left_out if junit_key(item.nodeid) in skip else kept).append(item)
     if left_out:
         config.hook.pytest_deselected(items=left_out)
-        items[:] = [item for item in items if junit_key(item.nodeid) not in skip]
+        items[:] = kept
 """
 
 
