@@ -13,7 +13,7 @@ the GPU for weights and KV, then caps the KV at ``--max-total-tokens``):
 Arguments after ``--`` go to every server (the GPU machine's flags: ``--attention-backend
 triton --sampling-backend pytorch --grammar-backend none``; ``--page-size 16`` for the paged
 allocator). Then ``--repeats`` interleaved rounds (``serve_rounds.run_rounds``), each run by
-SGLang's own client as users run it, ``python -m sglang.bench_serving --backend sglang``
+SGLang's own client as users run it, ``python -m sglang.benchmark.serving --backend sglang``
 (in a subprocess: its options are built inside its ``cli_main``): ``random-ids`` prompts of
 exactly ``--input-len`` tokens (token ids, no dataset download), ``--output-len`` tokens out
 (``ignore_eos``, SGLang's client default), seed = the round. Counters come from the
@@ -108,12 +108,12 @@ class Server(ServeProcess):
 def _run_bench(
     model: str, args: Any, work: Path, server: Any, rate: str, seed: int
 ) -> dict[str, Any]:
-    """One ``python -m sglang.bench_serving`` run against ``server``; its result line.
+    """One ``python -m sglang.benchmark.serving`` run against ``server``; its result line.
     Raises ``RuntimeError`` with the client's output when it writes no result."""
     num_prompts = args.num_prompts if rate == "inf" else args.num_prompts_rate
     port = server.port
     out = work / f"bench-{port}-{rate}-{seed}.jsonl"
-    cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
+    cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang",
            "--base-url", f"http://127.0.0.1:{port}", "--model", model, "--tokenizer", model,
            "--dataset-name", "random-ids", "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--random-range-ratio", "1.0",
@@ -122,7 +122,7 @@ def _run_bench(
     run = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if not out.exists():
         raise RuntimeError(
-            f"sglang.bench_serving wrote no result (exit {run.returncode}):\n"
+            f"sglang.benchmark.serving wrote no result (exit {run.returncode}):\n"
             + (run.stdout + run.stderr)[-3000:]
         )
     data = json.loads(out.read_text().splitlines()[-1])

@@ -3,11 +3,12 @@ batch: do both serve, and are their tokens the same?
 
 Each mode starts ``python -m sglang.launch_server`` on the same offline model directory with
 dummy weights (SGLang's dummy loader seeds them, so both servers hold the same weights),
-sends one batch to ``/generate`` by HTTP and stops the server. The batch mixes short and
-long prompts of token ids and prompts that share a long prefix, in two rounds, so the second
-round hits the radix cache. Greedy, ``ignore_eos``, so every request decodes
-``--max-new-tokens``. The GPU's used memory (``nvidia-smi``) is recorded before the start,
-once up, after the batch and after the stop.
+sends one batch to ``/generate`` by HTTP and stops the server; with ``--together`` every
+mode's server starts at once and each runs the batch in turn while the others idle. The
+batch mixes short and long prompts of token ids and prompts that share a long prefix, in
+two rounds, so the second round hits the radix cache. Greedy, ``ignore_eos``, so every
+request decodes ``--max-new-tokens``. The GPU's used memory (``nvidia-smi``) is recorded
+before the start, once up, after the batch and after the stop.
 
     python -m benchmarks.sglang_smoke --model /tmp/sgdev/models/qwen3-0.6b --out $OUT/smoke \\
         -- --attention-backend triton --sampling-backend pytorch --grammar-backend none
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.sglang_serve import MODES, launch_server_cmd, split_server_args
-from benchmarks.vllm_servers import ServeProcess, wait_ready
+from benchmarks.vllm_servers import ServeProcess, stop_all, wait_ready
 
 
 def batch(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -82,31 +83,53 @@ def generate(port: int, prompts: list[list[int]], max_new_tokens: int) -> list[l
     return [list(item["output_ids"]) for item in items]
 
 
-def serve_once(
-    mode: str, args: argparse.Namespace, prompts: list[list[int]], server_args: list[str]
-) -> dict[str, Any]:
-    """Start the server in ``mode``, run the batch twice, stop it; what was seen."""
-    cmd = launch_server_cmd(args.model, args.port, MODES[mode], args.kvcore_config, server_args)
-    seen: dict[str, Any] = {"mode": mode, "cmd": cmd, "used_mib": {"before": gpu_used_mib()}}
-    server = ServeProcess(cmd, os.environ, args.port,
-                          args.out / f"server-{mode}.log", f"sglang {mode}")  # fmt: skip
+def _serve_batches(server: ServeProcess, seen: dict[str, Any], args: argparse.Namespace,
+                   prompts: list[list[int]]) -> None:  # fmt: skip
+    """Run the batch twice on a ready ``server``, recording into ``seen``."""
+    seen["start_s"] = server.start_s
+    rounds = []
+    for _ in range(2):  # the second round hits the radix cache
+        t0 = time.monotonic()
+        rounds.append(generate(server.port, prompts, args.max_new_tokens))
+        seen.setdefault("batch_s", []).append(round(time.monotonic() - t0, 2))
+    seen["used_mib"]["after_batch"] = gpu_used_mib()
+    seen["outputs"] = rounds
+    seen["rounds_agree"] = rounds[0] == rounds[1]
+
+
+def serve(
+    modes: list[str], args: argparse.Namespace, prompts: list[list[int]], server_args: list[str]
+) -> list[dict[str, Any]]:
+    """Start one server per mode of ``modes`` at once (ports from ``args.port`` up), run the
+    batch twice on each in turn (the others idle), stop them all; what was seen per mode.
+    A mode whose server fails records ``error`` and does not stop the others."""
+    before = gpu_used_mib()
+    servers: list[ServeProcess] = []
+    seen: list[dict[str, Any]] = []
+    for i, mode in enumerate(modes):
+        port = args.port + i
+        cmd = launch_server_cmd(args.model, port, MODES[mode], args.kvcore_config, server_args)
+        seen.append({"mode": mode, "cmd": cmd, "used_mib": {"before": before}})
+        servers.append(ServeProcess(cmd, os.environ, port, args.out / f"server-{mode}.log",
+                                    f"sglang {mode}"))  # fmt: skip
     try:
-        wait_ready([server], args.start_timeout_s)
-        seen["start_s"] = server.start_s
-        seen["used_mib"]["up"] = gpu_used_mib()
-        rounds = []
-        for _ in range(2):  # the second round hits the radix cache
-            t0 = time.monotonic()
-            rounds.append(generate(args.port, prompts, args.max_new_tokens))
-            seen.setdefault("batch_s", []).append(round(time.monotonic() - t0, 2))
-        seen["used_mib"]["after_batch"] = gpu_used_mib()
-        seen["outputs"] = rounds
-        seen["rounds_agree"] = rounds[0] == rounds[1]
-    except (RuntimeError, OSError, KeyError, ValueError) as exc:
-        seen["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
+        for step in ("start", "serve"):  # every server up before any batch: the others idle
+            for server, s in zip(servers, seen, strict=True):
+                if "error" in s:
+                    continue
+                try:
+                    if step == "start":
+                        wait_ready([server], args.start_timeout_s)
+                        s["used_mib"]["up"] = gpu_used_mib()
+                    else:
+                        _serve_batches(server, s, args, prompts)
+                except (RuntimeError, OSError, KeyError, ValueError) as exc:
+                    s["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
     finally:
-        server.stop()
-    seen["used_mib"]["after_stop"] = gpu_used_mib()
+        stop_all(servers)
+    after = gpu_used_mib()
+    for s in seen:
+        s["used_mib"]["after_stop"] = after
     return seen
 
 
@@ -118,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=["on", "off"])
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--together",
+        action="store_true",
+        help="start every mode's server at once (each runs the batch in turn, the others "
+        "idle; size them with --mem-fraction-static and --max-total-tokens after --), and "
+        "check the memory once all have stopped",
+    )
     parser.add_argument("--start-timeout-s", type=float, default=240)
     parser.add_argument(
         "--kvcore-config",
@@ -130,13 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     prompts = batch(vocab)
+    groups = [args.modes] if args.together else [[m] for m in args.modes]
     runs = []
-    for mode in args.modes:
-        print(f"sglang_smoke: {mode}: starting", flush=True)
-        runs.append(serve_once(mode, args, prompts, server_args))
-        r = runs[-1]
-        print(f"sglang_smoke: {mode}: start {r.get('start_s')} s, batches {r.get('batch_s')} s, "
-              f"used MiB {r['used_mib']}, {r.get('error', 'served')}", flush=True)  # fmt: skip
+    for group in groups:
+        print(f"sglang_smoke: {' + '.join(group)}: starting", flush=True)
+        runs += serve(group, args, prompts, server_args)
+        for r in runs[-len(group) :]:
+            print(f"sglang_smoke: {r['mode']}: start {r.get('start_s')} s, batches "
+                  f"{r.get('batch_s')} s, used MiB {r['used_mib']}, "
+                  f"{r.get('error', 'served')}", flush=True)  # fmt: skip
     served = [r for r in runs if "outputs" in r]
     agree = len(served) == len(runs) > 1 and all(
         r["outputs"] == served[0]["outputs"] for r in served

@@ -108,7 +108,9 @@ def test_rounds_of_both_modes_with_sglangs_client(tmp_path: Path) -> None:
     (fake / "sglang").mkdir(parents=True)
     (fake / "sglang" / "__init__.py").write_text("")
     (fake / "sglang" / "launch_server.py").write_text(_SERVER)
-    (fake / "sglang" / "bench_serving.py").write_text(_CLIENT)
+    (fake / "sglang" / "benchmark").mkdir()
+    (fake / "sglang" / "benchmark" / "__init__.py").write_text("")
+    (fake / "sglang" / "benchmark" / "serving.py").write_text(_CLIENT)
     (fake / "pynvml.py").write_text(_NVML)
     model = tmp_path / "qwen3-0.6b"
     model.mkdir()

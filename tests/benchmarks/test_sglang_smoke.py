@@ -1,6 +1,7 @@
 """``benchmarks.sglang_smoke`` against a stand-in ``sglang.launch_server`` (an HTTP server
 with SGLang's ``/health`` and ``/generate`` shapes: SGLang cannot serve on a CPU machine):
-both modes are started, served and stopped in turn, and the verdict is token identity."""
+both modes are started, served and stopped, in turn or together, and the verdict is token
+identity."""
 
 from __future__ import annotations
 
@@ -54,7 +55,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _smoke(tmp_path: Path, flip: bool) -> tuple[int, dict]:
+def _free_port_pair() -> int:
+    """A port whose next port is free too (``--together`` takes both)."""
+    for _ in range(200):
+        port = _free_port()
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two free consecutive ports")
+
+
+def _smoke(tmp_path: Path, flip: bool, together: bool = False) -> tuple[int, dict]:
     fake = tmp_path / "fake"
     (fake / "sglang").mkdir(parents=True)
     (fake / "sglang" / "__init__.py").write_text("")
@@ -65,18 +80,19 @@ def _smoke(tmp_path: Path, flip: bool) -> tuple[int, dict]:
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": f"{fake}{os.pathsep}{ROOT}", "FLIP": "1" if flip else "0"}
     cmd = [sys.executable, "-m", "benchmarks.sglang_smoke", "--model", str(model), "--out",
-           str(out), "--port", str(_free_port()), "--max-new-tokens", "4", "--",
-           "--attention-backend", "triton"]  # fmt: skip
+           str(out), "--port", str(_free_port_pair()), "--max-new-tokens", "4",
+           *(["--together"] * together), "--", "--attention-backend", "triton"]  # fmt: skip
     rc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, timeout=300).returncode
     return rc, json.loads((out / "smoke.json").read_text())
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("together", [False, True], ids=["in-turn", "together"])
 @pytest.mark.parametrize("flip", [False, True])
 def test_the_smoke_passes_only_when_both_modes_give_the_same_tokens(
-    tmp_path: Path, flip: bool
+    tmp_path: Path, flip: bool, together: bool
 ) -> None:
-    rc, report = _smoke(tmp_path, flip)
+    rc, report = _smoke(tmp_path, flip, together)
     assert [r["mode"] for r in report["runs"]] == ["on", "off"]
     for run in report["runs"]:
         assert "error" not in run

@@ -1,16 +1,16 @@
 """SGLang's real server on a CUDA GPU, elastic KV on and off, by HTTP (``gpu`` marker).
 
-Each case runs ``benchmarks.sglang_smoke``: the forked SGLang's ``launch_server`` with
-``--kvcore-elastic``, then without it, on the same offline Qwen3-0.6B-shaped model with
-seeded dummy weights; one greedy batch (short, long and shared-prefix prompts) twice, the
-second hitting the radix cache. What must hold:
+Each case runs ``benchmarks.sglang_smoke --together``: the forked SGLang's ``launch_server``
+with ``--kvcore-elastic`` and without it, both up at once, on the same offline
+Qwen3-0.6B-shaped model with seeded dummy weights; one greedy batch (short, long and
+shared-prefix prompts) twice on each, the second hitting the radix cache. What must hold:
 
 * both modes serve and give the same tokens, with the token allocator (page size 1, SGLang's
   default), the paged allocator (page size 16), CUDA graphs, and under a ``limit_bytes`` of
   512 MiB (about half of what the batch needs), so that requests wait for memory (both modes
   then run SGLang's deterministic inference: a different batch composition may not change a
   token);
-* the elastic server gives all its GPU memory back at exit.
+* the servers give all their GPU memory back at exit.
 
 The GPU machine's image has no SGLang and a torch that sglang-kernel's binaries were not
 built for: the bundle of ``benchmarks/sglang_bundle.py`` carries SGLang there with the
@@ -40,6 +40,9 @@ ROOT = Path(__file__).resolve().parents[3]
 GPU_MACHINE = ["--attention-backend", "triton", "--sampling-backend", "pytorch",
                "--grammar-backend", "none"]  # fmt: skip
 """Backends the GPU machine's SGLang can run: no flashinfer, no FA3 ``flash_ops``."""
+TOGETHER = ["--mem-fraction-static", "0.4", "--max-total-tokens", "65536"]
+"""Both servers of a case run at once: each takes at most 0.4 of the GPU, and both size the
+same pool (65,536 tokens, about six times what the batch needs), so that both schedule alike."""
 NO_GRAPHS = ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
 
 CASES = {
@@ -62,11 +65,11 @@ def test_elastic_and_upstream_serve_the_same_tokens(case: str, tmp_path: Path) -
         pytest.skip("KVCORE_MODEL_DIR names no offline model (sglang_device.sh sets it)")
     extra, config = CASES[case]
     cmd = [sys.executable, "-m", "benchmarks.sglang_smoke", "--model", model,
-           "--out", str(tmp_path), "--start-timeout-s", "300"]  # fmt: skip
+           "--out", str(tmp_path), "--start-timeout-s", "300", "--together"]  # fmt: skip
     if config:
         cmd += ["--kvcore-config", json.dumps(config)]
-    run = subprocess.run([*cmd, "--", *GPU_MACHINE, *extra], cwd=ROOT, capture_output=True,
-                         text=True, timeout=900)  # fmt: skip
+    run = subprocess.run([*cmd, "--", *GPU_MACHINE, *TOGETHER, *extra], cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
     report = json.loads((tmp_path / "smoke.json").read_text())
     on, off = report["runs"]
     for r in (on, off):
