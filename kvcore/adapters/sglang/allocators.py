@@ -41,6 +41,7 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.utils import next_power_of_2
 
 from kvcore.adapters.sglang import eviction
+from kvcore.adapters.sglang.release import PendingFrees
 from kvcore.errors import UnsupportedConfiguration
 
 # SGLang 0.5.23+ ships torch fallbacks of both index kernels (older ones only Triton)
@@ -89,6 +90,9 @@ class _ElasticMixin:
         self._budgeted = manager.config.limit_bytes is not None or manager.config.gpu_ledger
         self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
         self._on_cpu = self._empty.device.type == "cpu"  # read once: .device builds an object
+        self._pinned = self._empty.is_cuda  # host-to-device copies go through pinned memory
+        # frees of device id tensors reach the ledger without waiting for the device
+        self._pending = PendingFrees(self._release_block_ids, on_device=not self._on_cpu)
         # every block id in order (the size of upstream's free list): a run of fresh ids is
         # a view of it (``_fresh_ids``)
         self._block_ids = torch.arange(
@@ -98,11 +102,28 @@ class _ElasticMixin:
     def _as_tensor(self, ids: list[int]) -> torch.Tensor:
         """The ledger's id list as an int64 tensor on the allocator's device (through an
         ``array`` buffer, which is cheaper than ``torch.tensor(list)`` on the allocation
-        path)."""
+        path). To a GPU through pinned memory, without waiting: a copy from pageable memory
+        would wait for the work queued on the stream (the overlapped batch)."""
         if not ids:
             return self._empty
         t = torch.frombuffer(array("q", ids), dtype=torch.int64)
-        return t if self._on_cpu else t.to(self.device)
+        if self._on_cpu:
+            return t
+        if self._pinned:
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def _release_block_ids(self, ids: list[int]) -> None:
+        """Free distinct block ids ``ids`` in the ledger: as one range when they are one
+        (``BlockLedger.free_range``: no per-id work), else as a list."""
+        n = len(ids)
+        if not n:
+            return
+        first = min(ids)
+        if max(ids) - first == n - 1:  # n distinct ids spanning n values: exactly that range
+            self.ledger.free_range(first, n)
+        else:
+            self.ledger.free(ids)
 
     def _fresh_ids(self, n: int) -> torch.Tensor | None:
         """``n`` fresh ledger blocks as an int64 tensor on the allocator's device (token ids
@@ -113,7 +134,19 @@ class _ElasticMixin:
         for the device), a few on a GPU are concatenated on the device; fewer blocks on the
         CPU, or many scattered runs, are copied from a list of ids (cheaper there than
         finding runs). A view is only read, as upstream's token ``alloc`` hands out a view
-        of its free list."""
+        of its free list. Frees whose copies from the device have arrived reach the ledger
+        first; a miss with frees still in flight waits for them and tries once more."""
+        pending = self._pending
+        if pending:
+            pending.settle()
+        fresh = self._take_fresh(n)
+        if fresh is None and pending:
+            pending.settle(wait=True)
+            fresh = self._take_fresh(n)
+        return fresh
+
+    def _take_fresh(self, n: int) -> torch.Tensor | None:
+        """``_fresh_ids``' one attempt at the ledger."""
         if self._on_cpu and n < _RUNS_FROM:
             ids = self.ledger.alloc(n)
             return None if ids is None else self._as_tensor(ids)
@@ -128,22 +161,26 @@ class _ElasticMixin:
         return self._as_tensor([b for a, k in runs for b in range(a, a + k)])
 
     def _free_all(self) -> None:
+        self._pending.settle(wait=True)
         ledger = self.ledger
         held = [b for b in range(1, ledger.geometry.num_blocks) if ledger.is_allocated(b)]
         if held:
             ledger.free(held)
 
     def _free_ids(self) -> torch.Tensor:
+        self._pending.settle(wait=True)
         ledger = self.ledger
         free = [b for b in range(1, ledger.geometry.num_blocks) if not ledger.is_allocated(b)]
         return torch.tensor(free, dtype=torch.int64, device=self.device)
 
     def _available_blocks(self) -> int:
         """Blocks SGLang may plan with: the physical room under a budget, else the logical
-        free count (the same on every TP rank, whatever the background refill is doing)."""
+        free count (the same on every TP rank, whatever the background refill is doing).
+        Either counts the frees still on their way from the device (``PendingFrees``), as
+        upstream counts a free at once."""
         if self._budgeted:
-            return self.ledger.available()
-        return self.ledger.geometry.num_blocks - self.ledger.used()
+            return self.ledger.available() + self._pending.count
+        return self.ledger.geometry.num_blocks - self.ledger.used() + self._pending.count
 
     def kvcore_step(self, tree_cache: Any = None) -> None:
         """Called by the patched scheduler (patch 0006) once per iteration with its tree
@@ -154,7 +191,10 @@ class _ElasticMixin:
         iteration start) and by what a lowered limit asks back (``shed``); last, where the
         ranks agree a physical budget (``kvcore.parallel.agreement.AgreedLedger``), the agreed
         room is refreshed while the budget binds (after the evictions, so it counts the pages
-        that freed)."""
+        that freed). Frees whose copies from the device have completed reach the ledger
+        first."""
+        if self._pending:
+            self._pending.settle()
         if tree_cache is not None:
             if tree_cache is not getattr(self, "_kvcore_tree", None):
                 self._attach_tree(tree_cache)
@@ -174,7 +214,8 @@ class _ElasticMixin:
         """Tokens the ledger holds free (logical, not capped by the physical budget): the
         ``available`` term of the scheduler's "available + evictable + protected = total"
         leak check in elastic mode."""
-        return (self.ledger.geometry.num_blocks - self.ledger.used()) * self.page_size
+        ledger = self.ledger
+        return (ledger.geometry.num_blocks - ledger.used() + self._pending.count) * self.page_size
 
     def enforce_cache_bound(self, tree_cache: Any) -> int:
         """Evict the prefix cache down to ``max_cached_tokens`` evictable tokens; returns the
@@ -201,12 +242,15 @@ class _ElasticMixin:
         return self._evict(tree_cache, min(tokens, tree_cache.evictable_size()))
 
     def _evict(self, tree_cache: Any, num_tokens: int) -> int:
-        """``tree_cache.evict`` of ``num_tokens`` (0: nothing); the tokens evicted."""
+        """``tree_cache.evict`` of ``num_tokens`` (0: nothing) to give memory back, in
+        page-aware order where it applies (``eviction.giving_back``); the tokens evicted."""
         if num_tokens <= 0:
             return 0
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-        return int(tree_cache.evict(EvictParams(num_tokens=num_tokens)).num_tokens_evicted)
+        with eviction.giving_back(tree_cache):
+            evicted = tree_cache.evict(EvictParams(num_tokens=num_tokens))
+        return int(evicted.num_tokens_evicted)
 
     def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> bool | None:
         """SGLang's pre-allocation eviction (0.5.23+), after first enforcing the cache bound.
@@ -255,7 +299,7 @@ class ElasticTokenToKVPoolAllocator(_ElasticMixin, TokenToKVPoolAllocator):  # t
         if self.free_group is not None:
             self.free_group.append(self._copy_for_free_group(free_index))
             return
-        self.ledger.free(free_index.tolist())
+        self._pending.add(free_index)  # token ids are block ids here
 
 
 class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAllocator):  # type: ignore[misc]
@@ -440,7 +484,7 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
         # every other upstream free path (free_segment, free_page_ids, free_group_end) ends here
         ids = page_ids[0] if len(page_ids) == 1 else torch.cat(page_ids)
         if ids.numel():
-            self.ledger.free(ids.tolist())
+            self._pending.add(ids)
 
 
 # ``_fresh_ids`` on a GPU concatenates views of the id table for up to this many runs (a

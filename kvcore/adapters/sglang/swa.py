@@ -349,9 +349,11 @@ def _joint_blocks(side: Any, other: Any) -> int:
     rank. Under the one shared budget each side's own figure counts the whole gate headroom;
     here it is counted once, at the joint byte cost of a block on both sides, on top of the
     blocks free on the side's mapped pages (conservative: the other side's free blocks on its
-    mapped pages would need no new page either)."""
+    mapped pages would need no new page either). Frees still on their way from the device
+    count as free blocks on mapped pages (``PendingFrees``)."""
     ledger = _raw(side.ledger)
-    own = int(ledger.available())
+    pending: int = side._pending.count
+    own = int(ledger.available()) + pending
     room = side.kvcore.gate.headroom()
     if room is None:
         return own
@@ -359,7 +361,7 @@ def _joint_blocks(side: Any, other: Any) -> int:
         a.kvcore.geometry.page_device_bytes / a.kvcore.geometry.blocks_per_page
         for a in (side, other)
     )
-    return max(0, min(own, int(ledger.held_free()) + int(room // cost)))
+    return max(0, min(own, int(ledger.held_free()) + pending + int(room // cost)))
 
 
 def _give_back(allocator: Any, token_ids: torch.Tensor, last_loc: torch.Tensor | None) -> None:

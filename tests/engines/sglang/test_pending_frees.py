@@ -1,0 +1,162 @@
+"""Frees that reach kvcore's ledger without waiting for the GPU (``PendingFrees``), inside
+SGLang's real token and paged allocators (the kvcore fork only).
+
+On a GPU each freed id tensor is copied to pinned host memory behind the work already
+queued, and its ids reach the ledger once that copy has completed. Here, on the CPU, the
+allocators are given a transfer whose completion the test controls (``Copies``), so a free
+can be held in flight: it must not be handed out again, must count as free in
+``available_size`` and the leak check's ``conservation_available_size`` (as upstream counts
+a free at once), must reach the ledger at the next allocation or scheduler iteration once
+its copy is done (oldest first), and an allocation that would miss must wait for the frees
+in flight before it returns ``None``. ``clear`` and ``get_all_free_pages`` wait for all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvcore.adapters.sglang.release import PendingFrees
+
+from .harness import requires_fork
+
+pytestmark = requires_fork
+
+
+class Copy:
+    """One copy in flight: done when the test says so, or when waited for."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = self.done = True
+
+
+class Copies:
+    """A ``PendingFrees`` transfer that records each copy and completes none by itself."""
+
+    def __init__(self) -> None:
+        self.started: list[Copy] = []
+
+    def __call__(self, ids: torch.Tensor) -> tuple[Copy, torch.Tensor]:
+        self.started.append(Copy())
+        return self.started[-1], ids.clone()  # a copy: the caller may reuse its tensor
+
+
+def _in_flight(allocator: Any) -> Copies:
+    """Give ``allocator`` a transfer the test completes by hand."""
+    copies = Copies()
+    allocator._pending = PendingFrees(allocator._release_block_ids, True, transfer=copies)
+    return copies
+
+
+@pytest.fixture
+def token(make: Any) -> Any:
+    """The elastic token allocator (``page_size`` 1) on 1,024 tokens."""
+    return make("on", size=1024, page_size=1).allocator
+
+
+def test_a_free_in_flight_counts_as_free_but_is_not_handed_out(token: Any) -> None:
+    copies = _in_flight(token)
+    ledger = token.ledger
+    before = token.available_size()
+    ids = token.alloc(64)
+    assert ids is not None and token.available_size() == before - 64
+    token.free(ids)
+    assert len(copies.started) == 1
+    assert token.available_size() == before  # as upstream, at once
+    conserved = token.conservation_available_size()
+    assert conserved == ledger.geometry.num_blocks - ledger.used() + 64
+    assert all(ledger.is_allocated(b) for b in ids.tolist())  # not yet in the ledger
+    again = token.alloc(64)
+    assert again is not None and not set(again.tolist()) & set(ids.tolist())
+    copies.started[0].done = True
+    one = token.alloc(1)  # each allocation first takes in what has arrived
+    assert one is not None and token._pending.count == 0
+    still = [b for b in ids.tolist() if ledger.is_allocated(b)]
+    assert still == [b for b in one.tolist() if b in ids.tolist()]  # at most the one reused
+    assert token.available_size() == before - 64 - 1
+
+
+def test_arrivals_are_taken_oldest_first_at_each_scheduler_iteration(token: Any) -> None:
+    copies = _in_flight(token)
+    ledger = token.ledger
+    first, second = token.alloc(8), token.alloc(8)
+    token.free(first)
+    token.free(second)
+    copies.started[1].done = True  # the younger one first: it waits behind the older
+    token.kvcore_step()
+    assert all(ledger.is_allocated(b) for b in first.tolist() + second.tolist())
+    copies.started[0].done = True
+    token.kvcore_step()
+    assert not any(ledger.is_allocated(b) for b in first.tolist() + second.tolist())
+    assert not any(c.waited for c in copies.started)  # an iteration never waits
+
+
+def test_an_allocation_that_would_miss_waits_for_the_frees_in_flight(token: Any) -> None:
+    copies = _in_flight(token)
+    held = token.alloc(token.available_size())
+    assert held is not None and token.alloc(1) is None  # full, nothing in flight: a miss
+    token.free(held[:100])
+    assert not copies.started[0].done
+    got = token.alloc(100)
+    assert copies.started[0].waited
+    assert got is not None and sorted(got.tolist()) == sorted(held[:100].tolist())
+
+
+def test_clear_and_the_free_list_wait_for_every_free_in_flight(token: Any) -> None:
+    copies = _in_flight(token)
+    ids = token.alloc(32)
+    token.free(ids)
+    free = set(token.get_all_free_pages().tolist())
+    assert copies.started[0].waited and set(ids.tolist()) <= free
+    more = token.alloc(16)
+    token.free(more)
+    token.clear()
+    assert copies.started[1].waited and token._pending.count == 0
+    assert token.ledger.used() == 1  # block 0, SGLang's padding slot
+
+
+def test_the_paged_allocators_segment_frees_go_the_same_way(make: Any) -> None:
+    a = make("on", size=1024, page_size=16).allocator
+    copies = _in_flight(a)
+    ledger = a.ledger
+    before = a.available_size()
+    tokens = a.alloc(64)  # four pages
+    assert tokens is not None
+    a.free_segment(tokens, start_pos=0)  # upstream's sync-free path
+    pages = sorted({t // 16 for t in tokens.tolist()})
+    assert len(copies.started) == 1 and a.available_size() == before
+    assert all(ledger.is_allocated(p) for p in pages)
+    copies.started[0].done = True
+    a.kvcore_step()
+    assert not any(ledger.is_allocated(p) for p in pages)
+
+
+def test_on_the_cpu_a_free_reaches_the_ledger_at_once(token: Any) -> None:
+    ids = token.alloc(16)
+    token.free(ids)
+    assert token._pending.count == 0
+    assert not any(token.ledger.is_allocated(b) for b in ids.tolist())
+
+
+def test_released_ids_go_to_the_ledger_as_a_range_when_they_are_one(token: Any) -> None:
+    ledger = token.ledger
+    calls: list[tuple[str, Any]] = []
+    real_free, real_range = ledger.free, ledger.free_range
+    ledger.free = lambda ids, *a: (calls.append(("list", sorted(ids))), real_free(ids, *a))[1]
+    ledger.free_range = lambda first, n, *a: (
+        calls.append(("range", (first, n))),
+        real_range(first, n, *a),
+    )[1]
+    assert token.alloc(30) is not None  # blocks 1-30
+    token._release_block_ids([12, 10, 11])
+    token._release_block_ids([20, 22])
+    assert calls == [("range", (10, 3)), ("list", [20, 22])]
