@@ -12,10 +12,18 @@ key)``, so page-emptying leaves go first, each group in the upstream policy's or
 pages a leaf empties is the block ledger's ``eviction_order`` over the leaf's blocks (a
 page empties when every allocated block on it belongs to the leaf).
 
+The key applies only to the evictions kvcore asks for to give memory back: the cache bound
+(``max_cached_tokens``) and a lowered limit's shed, inside ``giving_back``. SGLang's own
+evictions, which free room for the allocation that follows them, keep its order: their
+blocks go straight to that allocation (the ledger fills held pages first), so emptying a
+page there would only unmap it and map another, and the key's cost (below) would be paid
+at every allocation under memory pressure, on the scheduler's thread.
+
 The key is taken when the eviction walk pushes a leaf (as upstream's), so a leaf that
 starts to empty a page because a sibling was evicted in the same walk keeps its earlier
-rank until the next walk. Cost: one pass over the leaf's block ids per leaf pushed
-(upstream's key reads one attribute); ``benchmarks/sglang_eviction.py`` measures it.
+rank until the next walk. Cost: one pass over the leaf's block ids per leaf pushed, and on
+a GPU a device-to-host read of the leaf's ids (upstream's key reads one attribute);
+``benchmarks/sglang_eviction.py`` measures it.
 
 ``UnifiedRadixCache`` on the Rust ``TreeCore`` (0.5.23's default wherever its extension
 loads, CPU included) orders eviction in native code with no Python strategy object:
@@ -48,10 +56,12 @@ default, logged once) or start-up fails (explicit ``"page-aware"``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from kvcore.errors import UnsupportedConfiguration
@@ -62,6 +72,7 @@ __all__ = [
     "attach",
     "choose_tree_core",
     "eviction_asks_allocator",
+    "giving_back",
     "install",
 ]
 
@@ -78,16 +89,21 @@ _SENTINEL = -1  # never an allocated block: eviction_order puts it in the second
 class PageAwareEviction:
     """An SGLang ``EvictionStrategy`` over ``base`` (module docstring). ``ledger`` maps
     blocks to pages (``eviction_order``); a token index ``t`` is block ``t // page_size``;
-    ``value_of(node)`` is the node's device token indices (a tensor) or ``None``."""
+    ``value_of(node)`` is the node's device token indices (a tensor) or ``None``. The key
+    is page-aware only while ``giving_back`` holds (``active``); otherwise it ranks every
+    leaf as upstream does."""
 
     def __init__(self, base: Any, ledger: Any, page_size: int, value_of: Any) -> None:
         self.base = base
         self._ledger = ledger
         self._page_size = page_size
         self._value_of = value_of
+        self.active = False
+        """Whether the walk in progress gives memory back (``giving_back``)."""
 
     def get_priority(self, node: Any) -> tuple[int, Any]:
-        return (0 if self.empties_a_page(node) else 1, self.base.get_priority(node))
+        empties = self.active and self.empties_a_page(node)
+        return (0 if empties else 1, self.base.get_priority(node))
 
     def empties_a_page(self, node: Any) -> bool:
         """Whether freeing ``node``'s tokens would leave at least one physical page with no
@@ -105,6 +121,23 @@ class PageAwareEviction:
 
     def __getattr__(self, name: str) -> Any:  # other strategy attributes (TLRU's, ...)
         return getattr(self.base, name)
+
+
+@contextlib.contextmanager
+def giving_back(tree_cache: Any) -> Iterator[None]:
+    """Within it, ``tree_cache``'s evictions are page-aware where ``install`` made its order
+    so (elsewhere, and for a tree left in SGLang's order, nothing changes). For the
+    evictions kvcore asks for to return memory (module docstring)."""
+    core = getattr(tree_cache, "tree_core", tree_cache)
+    strategy = getattr(core, "eviction_strategy", None)
+    if not isinstance(strategy, PageAwareEviction):
+        yield
+        return
+    strategy.active = True
+    try:
+        yield
+    finally:
+        strategy.active = False
 
 
 def choose_tree_core(config: Any) -> bool:

@@ -1,7 +1,10 @@
 """Page-aware radix eviction inside SGLang's real trees: ``RadixCache`` and
 ``UnifiedRadixCache`` on its Python core (and on the Rust core where its extension loads),
 on both pinned releases, through the scheduler's per-iteration seam (patch 0006's
-``kvcore_step(tree_cache)``) and SGLang's pre-allocation eviction.
+``kvcore_step(tree_cache)``) and SGLang's pre-allocation eviction. The page-aware key
+applies to the evictions kvcore asks for to give memory back (the cache bound, a lowered
+limit's shed); SGLang's own evictions, which make room for its next allocation, keep its
+order and leave their blocks to that allocation.
 
 MHA, 2 layers x K/V, 2 heads x 64 dims, bf16, SGLang pages of 16 tokens: a 64 KiB host
 page holds 256 tokens. Physical page 0 holds block 0 (SGLang's padded page) and 240 tokens
@@ -103,27 +106,44 @@ def test_page_aware_eviction_returns_a_whole_page_first(make: Any) -> None:
     assert eviction.install(tree, a) is True  # idempotent: wrapped once
     assert isinstance(tree.eviction_strategy, eviction.PageAwareEviction)
     assert not isinstance(tree.eviction_strategy.base, eviction.PageAwareEviction)
-    assert tree.evict(EvictParams(num_tokens=128)).num_tokens_evicted == 256
-    assert _cached(tree, 0, 128) == 128 and _cached(tree, 10_000, 256) == 0
-    assert e.pages().in_use == 2  # page 2 went back
-    # then upstream's order among the rest: A goes next
-    assert tree.evict(EvictParams(num_tokens=1)).num_tokens_evicted == 128
+    with eviction.giving_back(tree):
+        assert tree.evict(EvictParams(num_tokens=128)).num_tokens_evicted == 256
+        assert _cached(tree, 0, 128) == 128 and _cached(tree, 10_000, 256) == 0
+        assert e.pages().in_use == 2  # page 2 went back
+        # then upstream's order among the rest: A goes next
+        assert tree.evict(EvictParams(num_tokens=1)).num_tokens_evicted == 128
+    assert tree.eviction_strategy.active is False
+
+
+def test_outside_giving_back_the_installed_order_is_sglangs(make: Any) -> None:
+    """An eviction kvcore did not ask for (SGLang making room for an allocation) ranks
+    leaves as upstream does, without reading their pages: A (older) goes, B stays."""
+    e, a, tree = _setup(make)
+    assert eviction.install(tree, a) is True
+    read = []
+    strategy = tree.eviction_strategy
+    empties = strategy.empties_a_page
+    strategy.empties_a_page = lambda node: read.append(node) or empties(node)
+    assert tree.evict(EvictParams(num_tokens=128)).num_tokens_evicted == 128
+    assert _cached(tree, 0, 128) == 0 and _cached(tree, 10_000, 256) == 256
+    assert read == [] and e.pages().in_use == 3
 
 
 @_requires_allocator_eviction()
-def test_sglangs_allocation_path_installs_it(make: Any) -> None:
+def test_sglangs_allocation_path_installs_it_and_keeps_its_order(make: Any) -> None:
     """``evict_from_tree_cache`` (what SGLang runs before every allocation) under a budget
-    of the three mapped pages: the shortfall is met by evicting B, returning its page."""
+    of the three mapped pages installs the page-aware key, but its own eviction keeps
+    SGLang's order: A goes, and its blocks on page 1 take the allocation with no new page
+    (evicting B would unmap page 2 only to map another)."""
     from sglang.srt.mem_cache.common import evict_from_tree_cache
 
     e, a, tree = _setup(make, limit_bytes=3 * PAGE + (64 << 10))
     assert a.available_size() < 128
     evict_from_tree_cache(tree, 128)
     assert isinstance(tree.eviction_strategy, eviction.PageAwareEviction)
-    assert _cached(tree, 10_000, 256) == 0 and _cached(tree, 0, 128) == 128
-    assert e.pages().in_use == 2
+    assert _cached(tree, 10_000, 256) == 256 and _cached(tree, 0, 128) == 0
     assert a.available_size() >= 128
-    assert a.alloc(128) is not None
+    assert a.alloc(128) is not None and e.pages().in_use == 3
 
 
 @_requires_allocator_eviction()
@@ -177,8 +197,9 @@ def _strategy(tree: Any) -> Any:
 @pytest.mark.parametrize("tree_of", TREES.values(), ids=TREES.keys())
 def test_the_scheduler_step_attaches_page_aware_order(make: Any, tree_of: Any) -> None:
     """The scheduler's first iteration hands its tree to the allocator (no allocator-side
-    eviction call needed, so this holds on 0.5.20 too); SGLang's own pre-allocation
-    eviction then takes B, returning its page."""
+    eviction call needed, so this holds on 0.5.20 too): kvcore's evictions are page-aware
+    from then on (B alone goes, its page returns), SGLang's pre-allocation eviction keeps
+    its order (A goes next)."""
     from sglang.srt.mem_cache.common import evict_from_tree_cache
 
     e, a, tree = _setup(make, tree_of, limit_bytes=3 * PAGE + (64 << 10))
@@ -188,10 +209,11 @@ def test_the_scheduler_step_attaches_page_aware_order(make: Any, tree_of: Any) -
     assert _strategy(tree).base is base
     a.kvcore_step(tree)  # later iterations: wrapped once
     assert _strategy(tree).base is base
-    assert a.available_size() < 128
-    evict_from_tree_cache(tree, 128)
+    assert a._evict(tree, 128) == 256
     assert _cached(tree, 10_000, 256) == 0 and _cached(tree, 0, 128) == 128
     assert e.pages().in_use == 2
+    evict_from_tree_cache(tree, a.available_size() + 128)
+    assert _cached(tree, 0, 128) == 0
     assert a.alloc(128) is not None
 
 
@@ -364,7 +386,8 @@ def test_page_layouts_differ_between_ranks_so_page_aware_order_diverges(make: An
     assert (a_pages["R"] == a_pages["Y"]) != (b_pages["R"] == b_pages["Y"])
     for rank, tree in ((a_rank, a_tree), (b_rank, b_tree)):
         assert eviction.install(tree, rank) is True
-        tree.evict(EvictParams(num_tokens=128))
+        with eviction.giving_back(tree):
+            tree.evict(EvictParams(num_tokens=128))
     a_kept = (_cached(a_tree, 0, 128), _cached(a_tree, 10_000, 128))
     b_kept = (_cached(b_tree, 0, 128), _cached(b_tree, 10_000, 128))
     assert a_kept != b_kept  # the ranks' trees diverged: X went on one, Y on the other
