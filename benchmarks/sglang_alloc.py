@@ -11,7 +11,7 @@ kvcore fork of SGLang installed (``nox -s test-sglang-0.5.23`` builds such a ven
     PYTHONPATH=tests/engines/sglang/shim .nox/test-sglang-0-5-23/bin/python \\
         -m benchmarks.sglang_alloc [--repeats 31] [--iters 100] [--json F] [--device cuda]
 
-``--device cuda`` (the GPU machine, through ``benchmarks/sglang_gpu.sh``) runs the same
+``--device cuda`` (the GPU machine, through ``benchmarks/sglang_device.sh run``) runs the same
 cycles on a CUDA pool: SGLang's Triton index kernels on both sides, kvcore on its ``cuda``
 backend; each timed run ends with a device synchronize, so a side's queued GPU work counts.
 

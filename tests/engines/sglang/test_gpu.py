@@ -5,14 +5,16 @@ take a Python path on 0.5.23 and skip these on 0.5.20) and the pool writes K/V w
 store kernels into kvcore's virtual tensors on the ``cuda`` backend. What must hold there:
 every live token's K/V survives while other requests' pages are unmapped and new ones mapped
 (stable addresses, no page of a live block touched), and a physical page freed by SGLang
-(request finished, radix eviction) is unmapped at once and its memory goes back to the
-driver, except what the mapper's bounded handle pool keeps for the next map (4 pages by
-default, charged to the instance); ``PageAllocator.trim()`` releases that too. Checked
-against the driver's own free-memory figure, less what torch's caching allocator took.
-``off`` runs the same scenario on SGLang's own buffers, which shows the scenario is sound.
+(request finished, radix eviction) is unmapped once the free reaches the ledger (at once,
+or for ids freed without a device wait, at the scheduler's next iteration once the device
+has caught up) and its memory goes back to the driver, except what the mapper's bounded
+handle pool keeps for the next map (4 pages by default, charged to the instance);
+``PageAllocator.trim()`` releases that too. Checked against the driver's own free-memory
+figure, less what torch's caching allocator took. ``off`` runs the same scenario on SGLang's
+own buffers, which shows the scenario is sound.
 
-The GPU machine has no SGLang install: ``benchmarks/device_bundle.py`` carries it there
-(``docs/benchmarks.md``).
+The GPU machine has no SGLang install: ``benchmarks/sglang_bundle.py`` carries it there and
+``benchmarks/sglang_device.sh run`` runs these (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import pytest
 import torch
 
 pytest.importorskip(
-    "sglang", reason="SGLang is not installed here (benchmarks/sglang_gpu.sh carries it)"
+    "sglang", reason="SGLang is not installed here (benchmarks/sglang_device.sh carries it)"
 )
 
 from .harness import Engine, requires_fork
@@ -95,6 +97,14 @@ def _extend(a: Any, lens: list[int], prefix: list[int], last: list[int]) -> list
 def _driver_free() -> int:
     torch.cuda.synchronize()
     return int(torch.cuda.mem_get_info()[0])
+
+
+def _next_iteration(a: Any) -> None:
+    """Once the device has caught up, the scheduler's next iteration (``kvcore_step``)
+    hands the frees still on their way from the device to the ledger."""
+    torch.cuda.synchronize()
+    a.kvcore_step()
+    assert a._pending.count == 0
 
 
 def _settled_pages(e: Engine) -> Any:
@@ -186,6 +196,7 @@ def test_radix_eviction_on_the_gpu_returns_pages_to_the_driver(make: Any) -> Non
     cached, driver = e.pages(), DriverMemory()
     assert cached.in_use >= 5  # 4096 cached tokens keep their pages (plus block 0's)
     assert tree.evict(EvictParams(num_tokens=4096)).num_tokens_evicted == 4096
+    _next_iteration(a)
     assert e.pages().in_use == 1
     assert _check_returned(e, cached, driver) == cached.mapped - 1
 
@@ -206,7 +217,11 @@ def test_token_allocator_on_the_gpu_hands_out_device_ids_and_releases_pages(make
     assert len(set(owned.tolist())) == 3000 and 0 not in owned.tolist()
     kv.check()
     before, driver = e.pages(), DriverMemory()
+    available = a.available_size()
     a.free(kv.drop(1))
+    # on its way from the device (``PendingFrees``), free for SGLang at once
+    assert a._pending.count == 3000 and a.available_size() == available + 3000
+    _next_iteration(a)
     assert _check_returned(e, before, driver) >= 1  # 3000 tokens own at least 1 page alone
     kv.check()
     loc = a.alloc(2000)
