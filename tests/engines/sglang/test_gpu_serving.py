@@ -48,10 +48,13 @@ NO_GRAPHS = ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-pr
 CASES = {
     "token-allocator": ([*NO_GRAPHS], None),
     "paged-16": (["--page-size", "16", *NO_GRAPHS], None),
-    "cuda-graphs": ([], None),
+    "cuda-graphs": (["--cuda-graph-backend-prefill", "disabled"], None),
     "tight-limit": (["--enable-deterministic-inference", *NO_GRAPHS], {"limit_bytes": 512 << 20}),
 }
-"""Case -> (server arguments beyond ``GPU_MACHINE``, the elastic server's --kvcore-config)."""
+"""Case -> (server arguments beyond ``GPU_MACHINE``, the elastic server's --kvcore-config).
+``cuda-graphs`` captures SGLang's decode graphs; its prefill graphs (0.5.23's breakable CUDA
+graphs) fail to capture on the GPU machine's torch 2.11 in both modes (``assert graph is not
+None`` at the end of a segment), so they stay off there."""
 MIB_SLACK = 64
 """What may stay in use after the elastic server exits (another process's context)."""
 
