@@ -18,7 +18,8 @@ installs a part there, one part per call, the calls back to back. What goes in:
   selection;
 * ``wheels.tar``: target-platform wheels of SGLang's runtime requirements that the image
   lacks, resolved by pip and pinned in the manifest (``NOT_CARRIED`` and
-  ``vllm_bundle.IMAGE`` left out);
+  ``vllm_bundle.IMAGE`` left out), and ``vllm_bundle.TOOLS`` (py-spy, for the serving
+  benchmark's ``--py-spy``);
 * ``models.tar.xz``: the offline model directories of ``benchmarks/offline_model.py``.
 
     python -m benchmarks.sglang_bundle --version 0.5.23 --out .sgdev/0.5.23
@@ -44,6 +45,7 @@ from pathlib import Path
 from benchmarks.vllm_bundle import (
     IMAGE,
     LOCAL_MODULES,
+    TOOLS,
     checkout_bytes,
     default_part_mib,
     download_wheels,
@@ -186,8 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.out / "work"  # kept: a second run reuses the resolution and downloads
     work.mkdir(exist_ok=True)
-    pins = resolve(requirements(wheel_metadata(wheel), args.python, carried), args.python,
-                   work, carried)  # fmt: skip
+    reqs = [*requirements(wheel_metadata(wheel), args.python, carried), *TOOLS]
+    pins = resolve(reqs, args.python, work, carried)
     kernel_version = _kernel_pin(wheel)
     kernel = download_wheels([(KERNEL, kernel_version, "")], args.python, work / "kernel")[0]
     wheels = download_wheels(pins, args.python, work / "wheels")
