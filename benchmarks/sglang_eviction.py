@@ -14,7 +14,8 @@ popularity), requests of a prefix plus a private 64-768-token part, 24 running a
 request that finishes is cached whole (SGLang's ``cache_finished_req``: insert, free the
 duplicate tokens of the part already cached) and the next one starts, so cached leaves and
 running requests share physical pages. From that state (built twice, identically, per seed)
-each policy evicts, SGLang's own (LRU) and kvcore's page-aware one:
+each policy evicts, SGLang's own (LRU) and kvcore's page-aware one (the order of the
+evictions kvcore asks for to give memory back, ``eviction.giving_back``):
 
 * ``target``: one ``evict`` of 10 %, 25 % and 50 % of the evictable tokens; physical pages
   returned, and pages per 1k tokens evicted;
@@ -22,14 +23,17 @@ each policy evicts, SGLang's own (LRU) and kvcore's page-aware one:
   16 pages come back: what a budgeted allocation pays for room.
 
 **Tree-core cost** (``UnifiedRadixCache``, full attention only): the Python core, the Python
-core with the page-aware key, and SGLang's Rust core where its extension loads; ``insert``
-of ``--ops`` requests (a shared prefix + a 64-token private part), ``match_prefix`` of each,
+core with the page-aware key installed, evicting as kvcore does to give memory back
+(``+page-aware``) and as SGLang does before its own allocations (``+installed``: the key
+ranks as upstream there), and SGLang's Rust core where its extension loads; ``insert`` of
+``--ops`` requests (a shared prefix + a 64-token private part), ``match_prefix`` of each,
 then ``evict`` of one leaf at a time; every op timed alone, medians in microseconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -166,6 +170,8 @@ def _in_use(e: Engine) -> int:
 def pages_returned(kind: str, seeds: int, requests: int) -> list[dict[str, Any]]:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
+    from kvcore.adapters.sglang import eviction
+
     rows: list[dict[str, Any]] = []
     for policy in ("sglang", "page-aware"):
         per_target: dict[str, list[float]] = {}
@@ -174,7 +180,8 @@ def pages_returned(kind: str, seeds: int, requests: int) -> list[dict[str, Any]]
                 e, tree = _build(kind, seed, requests, policy == "page-aware")
                 want = int(tree.evictable_size() * frac)
                 before = _in_use(e)
-                got = tree.evict(EvictParams(num_tokens=want)).num_tokens_evicted
+                with eviction.giving_back(tree):  # a no-op for SGLang's policy
+                    got = tree.evict(EvictParams(num_tokens=want)).num_tokens_evicted
                 freed = before - _in_use(e)
                 per_target.setdefault(f"pages@{frac:.0%}", []).append(freed)
                 per_target.setdefault(f"per1k@{frac:.0%}", []).append(1000 * freed / max(got, 1))
@@ -183,7 +190,8 @@ def pages_returned(kind: str, seeds: int, requests: int) -> list[dict[str, Any]]
             base, evicted = _in_use(e), 0
             for goal in PAGE_GOALS:
                 while base - _in_use(e) < goal and tree.evictable_size():
-                    evicted += tree.evict(EvictParams(num_tokens=64)).num_tokens_evicted
+                    with eviction.giving_back(tree):
+                        evicted += tree.evict(EvictParams(num_tokens=64)).num_tokens_evicted
                 per_target.setdefault(f"tokens for {goal} pages", []).append(evicted)
             e.scope.close()
         rows.append(
@@ -223,8 +231,9 @@ def core_cost(variant: str, ops: int) -> dict[str, Any] | None:
         print(f"rust: SGLang resolved the core to {core}", file=sys.stderr)
         e.scope.close()
         return None
-    if variant == "python+page-aware":
+    if variant in ("python+page-aware", "python+installed"):
         assert eviction.install(tree, a)
+    giving_back = variant == "python+page-aware"
     rng = random.Random(0)
     prefixes = [[7_000_000 * (i + 1) + t for t in range(512)] for i in range(PREFIXES)]
     prefix_kv: dict[int, torch.Tensor] = {}
@@ -246,7 +255,8 @@ def core_cost(variant: str, ops: int) -> dict[str, Any] | None:
         match_us.append(_timed(lambda k=key: tree.match_prefix(MatchPrefixParams(key=k))))
     evict_us = []
     while tree.evictable_size() > 8 * 512:  # the private leaves, one at a time
-        evict_us.append(_timed(lambda: tree.evict(EvictParams(num_tokens=64))))
+        with eviction.giving_back(tree) if giving_back else contextlib.nullcontext():
+            evict_us.append(_timed(lambda: tree.evict(EvictParams(num_tokens=64))))
     e.scope.close()
     return {
         "core": variant,
@@ -286,7 +296,7 @@ def main() -> None:
     Console().print(table)
     out["pages_returned"] = rows
 
-    variants = ("python", "python+page-aware", "rust")
+    variants = ("python", "python+page-aware", "python+installed", "rust")
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     for _ in range(args.repeats):
         for v in variants:
