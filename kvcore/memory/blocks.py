@@ -485,7 +485,8 @@ class BlockLedger:
         self, out: list[int], n: int, fresh: list[int], runs: list[tuple[int, int]] | None
     ) -> None:
         """Append ``n`` blocks of the ``fresh`` pages (in their order) to ``out`` (to
-        ``runs`` as ascending, non-adjacent ``(first, count)`` ranges when given) and give
+        ``runs`` as disjoint ``(first, count)`` ranges in that order when given; the short
+        last page may come first, so ``_as_runs`` sorts them) and give
         back the pages it did not need (a short last page over-covered). A run of
         consecutive pages taken whole costs one range and one slice write; a page taken in
         part keeps its upper blocks on its free stack. Caller holds ``_lock``."""
@@ -742,13 +743,16 @@ class BlockLedger:
 
 
 def _as_runs(ids: list[int], runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The distinct ``ids`` and the ascending, non-adjacent ``runs`` (``_take_fresh``'s)
-    together as ``(first, count)`` runs, ascending, adjacent ones merged. Ids forming one
-    range (a partly used page taken whole, its blocks freed as a run) cost one ``min`` and
-    one ``max``, and join the first run when they end where it starts (the common case: the
-    fresh pages follow that page); other ids are sorted and split."""
+    """The distinct ``ids`` and the disjoint ``runs`` (``_take_fresh``'s, in the order the
+    page allocator handed the fresh pages over: the short last page may come before lower
+    pages) together as ``(first, count)`` runs, ascending, adjacent ones merged. Ids forming
+    one range (a partly used page taken whole, its blocks freed as a run) cost one ``min``
+    and one ``max``, and join the first run when they end where it starts (the common case:
+    the fresh pages follow that page); other ids are sorted and split."""
     if not ids:
-        return runs
+        if len(runs) < 2:
+            return runs
+        return _merged(runs)
     lo = min(ids)
     k = len(ids)
     if max(ids) - lo == k - 1:  # distinct ids spanning as many values: one range
@@ -766,6 +770,11 @@ def _as_runs(ids: list[int], runs: list[tuple[int, int]]) -> list[tuple[int, int
                 start = b
             prev = b
         runs.append((start, prev + 1 - start))
+    return _merged(runs)
+
+
+def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Disjoint ``runs`` sorted (in place) and returned with adjacent ones merged."""
     runs.sort()
     merged = [runs[0]]
     for first, count in runs[1:]:

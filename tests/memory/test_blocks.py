@@ -10,7 +10,7 @@ from itertools import pairwise
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvcore.budget.gate import BudgetGate
@@ -583,6 +583,13 @@ BIG_OPS = st.lists(
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=BIG_OPS, bpp=st.sampled_from([4, 8]), short=st.booleans())
+# the short last page handed out before a lower fresh page: runs must still come ascending
+@example(
+    ops=[("alloc", 23, random.Random(0)), ("alloc", 23, random.Random(0)),
+         ("alloc-runs", 3, random.Random(0))],
+    bpp=4,
+    short=True,
+)  # fmt: skip
 def test_large_alloc_and_free_keep_placement_checks_and_pages_exact(
     ops: list[tuple[str, int, random.Random]], bpp: int, short: bool
 ) -> None:
