@@ -7,6 +7,12 @@ Nothing a test makes may outlive the suite: per-GPU ledgers and the host backend
 device counts go to a private directory for the whole session (``KVCORE_LEDGER_DIR``,
 ``KVCORE_HOST_SHARED_DIR``, inherited by every process a test starts), and the session
 fails if ``/dev/shm`` holds a ``kvcore-*`` entry it did not hold before.
+
+Property tests (hypothesis) draw the same examples on every run (``derandomize``) and keep no
+example database: a run's verdict depends on the code alone. What hypothesis caches goes to
+a private directory removed at the end (not ``.hypothesis/`` in the checkout). A case a
+random search once found stays covered as an ``@example`` on its test;
+``HYPOTHESIS_PROFILE=explore`` searches afresh.
 """
 
 from __future__ import annotations
@@ -19,6 +25,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+from hypothesis.configuration import set_hypothesis_home_dir
+
+settings.register_profile("deterministic", derandomize=True, database=None)
+settings.register_profile("explore", database=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
+_HYPOTHESIS_HOME = tempfile.mkdtemp(prefix="kvcore-tests-hypothesis-")
+set_hypothesis_home_dir(_HYPOTHESIS_HOME)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_HYPOTHESIS_HOME, ignore_errors=True)
+
 
 _SHM = Path("/dev/shm")
 
