@@ -135,15 +135,21 @@ class _ElasticMixin:
         CPU, or many scattered runs, are copied from a list of ids (cheaper there than
         finding runs). A view is only read, as upstream's token ``alloc`` hands out a view
         of its free list. Frees whose copies from the device have arrived reach the ledger
-        first; a miss with frees still in flight waits for them and tries once more."""
+        first; what the ledger cannot give is taken from the frees still in flight, on the
+        device and without waiting (``PendingFrees.take``), the rest from the ledger."""
         pending = self._pending
         if pending:
             pending.settle()
         fresh = self._take_fresh(n)
-        if fresh is None and pending:
-            pending.settle(wait=True)
-            fresh = self._take_fresh(n)
-        return fresh
+        if fresh is not None or not pending.count:
+            return fresh
+        k = min(n, pending.count)
+        if k == n:
+            return pending.take(n)
+        head = self._take_fresh(n - k)
+        if head is None:
+            return None  # short by more than is in flight: a miss
+        return torch.cat([head, pending.take(k)])
 
     def _take_fresh(self, n: int) -> torch.Tensor | None:
         """``_fresh_ids``' one attempt at the ledger."""

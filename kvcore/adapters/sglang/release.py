@@ -8,13 +8,17 @@ once (``tolist``) waits for everything queued before them, which under SGLang's 
 scheduler is the next batch's forward pass: the scheduler thread stops overlapping and
 spins in the wait.
 
-``PendingFrees`` instead copies each freed tensor into pinned host memory with a
-non-blocking copy queued on the current stream (after the kernels that produced it, as
-upstream's append), records an event behind it, and hands the ids to the ledger once the
-event has completed (``settle``: the allocators call it before each allocation and at each
-scheduler iteration). Until then the ids are neither free nor reusable, but counted
-(``count``) so that the allocators' ``available_size`` reports them as upstream would. A
-miss with frees in flight waits for them (``settle(wait=True)``) before it is a miss.
+``PendingFrees`` instead keeps each freed tensor on the device (an int64 copy, queued on the
+current stream after the kernels that produced it, as upstream's append), copies it into
+pinned host memory with a non-blocking copy behind that, records an event, and hands the
+ids to the ledger once the event has completed (``settle``: the allocators call it before
+each allocation and at each scheduler iteration). Until then the ids stay allocated in the
+ledger but count as free (``count``), so that the allocators' ``available_size`` reports
+them as upstream would; and an allocation the ledger cannot meet takes them on the device
+(``take``), as upstream takes ids from its device free list: SGLang's eviction before an
+allocation frees exactly the ids that allocation needs, and waiting for them to reach the
+host would wait for the batch in flight. Ids taken stay allocated in the ledger (they
+change owner, not state) and are not released when their copy arrives.
 
 On the CPU there is nothing to overlap: ``add`` frees at once.
 """
@@ -48,6 +52,16 @@ def _copy_to_host(ids: torch.Tensor) -> tuple[Done, torch.Tensor]:
     return done, host
 
 
+class _Freed:
+    """One freed tensor in flight: its ids on the device (int64), the copy of them on the
+    host (valid once ``done``), and how many of its leading ids ``take`` handed out."""
+
+    __slots__ = ("device", "done", "host", "taken")
+
+    def __init__(self, device: torch.Tensor, done: Done, host: torch.Tensor) -> None:
+        self.device, self.done, self.host, self.taken = device, done, host, 0
+
+
 class PendingFrees:
     """Freed block ids on their way from the device to ``release`` (module docstring).
 
@@ -64,9 +78,9 @@ class PendingFrees:
         self._release = release
         self._on_device = on_device
         self._transfer = transfer
-        self._queue: deque[tuple[Done, torch.Tensor]] = deque()
+        self._queue: deque[_Freed] = deque()
         self.count = 0
-        """Block ids added and not yet released."""
+        """Block ids added and neither released nor taken."""
 
     def __bool__(self) -> bool:
         return bool(self._queue)
@@ -77,23 +91,45 @@ class PendingFrees:
         if not self._on_device:
             self._release(ids.tolist())
             return
-        self._queue.append(self._transfer(ids))
-        self.count += ids.numel()
+        device = ids.to(torch.int64, copy=True)  # the caller may reuse its tensor
+        self._queue.append(_Freed(device, *self._transfer(device)))
+        self.count += device.numel()
+
+    def take(self, n: int) -> torch.Tensor:
+        """Hand out ``n`` ids in flight (``n <= count``), oldest first, as an int64 tensor on
+        the device, without waiting for anything: they stay allocated in the ledger, for
+        the allocation that takes them."""
+        if not 0 < n <= self.count:
+            raise ValueError(f"cannot take {n} of {self.count} frees in flight")
+        self.count -= n
+        parts = []
+        queue = self._queue
+        while n:
+            freed = queue[0]
+            k = min(n, freed.device.numel() - freed.taken)
+            parts.append(freed.device[freed.taken : freed.taken + k])
+            freed.taken += k
+            n -= k
+            if freed.taken == freed.device.numel():
+                queue.popleft()  # all of it handed out: nothing to release
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def settle(self, wait: bool = False) -> int:
         """Release every freed tensor whose copy has completed, oldest first, stopping at the
-        first still in flight; with ``wait``, wait for all. Returns the ids released."""
+        first still in flight; with ``wait``, wait for all. Ids ``take`` handed out are not
+        released. Returns the ids released."""
         released = 0
         queue = self._queue
         while queue:
-            done, host = queue[0]
+            freed = queue[0]
             if wait:
-                done.synchronize()
-            elif not done.query():
+                freed.done.synchronize()
+            elif not freed.done.query():
                 break
             queue.popleft()
-            n = host.numel()
-            self.count -= n
-            released += n
-            self._release(host.tolist())
+            ids = freed.host[freed.taken :].tolist()
+            self.count -= len(ids)
+            released += len(ids)
+            if ids:
+                self._release(ids)
         return released

@@ -4,11 +4,13 @@ SGLang's real token and paged allocators (the kvcore fork only).
 On a GPU each freed id tensor is copied to pinned host memory behind the work already
 queued, and its ids reach the ledger once that copy has completed. Here, on the CPU, the
 allocators are given a transfer whose completion the test controls (``Copies``), so a free
-can be held in flight: it must not be handed out again, must count as free in
-``available_size`` and the leak check's ``conservation_available_size`` (as upstream counts
-a free at once), must reach the ledger at the next allocation or scheduler iteration once
-its copy is done (oldest first), and an allocation that would miss must wait for the frees
-in flight before it returns ``None``. ``clear`` and ``get_all_free_pages`` wait for all.
+can be held in flight: it must count as free in ``available_size`` and the leak check's
+``conservation_available_size`` (as upstream counts a free at once), must reach the ledger at
+the next allocation or scheduler iteration once its copy is done (oldest first), and an
+allocation the ledger cannot meet must take the ids in flight on the device, without
+waiting (they stay allocated in the ledger and are not released when their copy arrives),
+returning ``None`` only when the ledger and the frees in flight together fall short.
+``clear`` and ``get_all_free_pages`` wait for all.
 """
 
 from __future__ import annotations
@@ -100,15 +102,46 @@ def test_arrivals_are_taken_oldest_first_at_each_scheduler_iteration(token: Any)
     assert not any(c.waited for c in copies.started)  # an iteration never waits
 
 
-def test_an_allocation_that_would_miss_waits_for_the_frees_in_flight(token: Any) -> None:
+def test_what_the_ledger_cannot_give_comes_from_the_frees_in_flight(token: Any) -> None:
+    """SGLang's eviction before an allocation: the pool is full, the evicted ids are in
+    flight, and the allocation takes them without waiting for their copies."""
     copies = _in_flight(token)
+    ledger = token.ledger
     held = token.alloc(token.available_size())
     assert held is not None and token.alloc(1) is None  # full, nothing in flight: a miss
     token.free(held[:100])
-    assert not copies.started[0].done
-    got = token.alloc(100)
-    assert copies.started[0].waited
-    assert got is not None and sorted(got.tolist()) == sorted(held[:100].tolist())
+    token.free(held[100:140])
+    assert token.alloc(141) is None  # short by more than is in flight: still a miss
+    got = token.alloc(120)  # all of the first free, 20 of the second
+    assert got is not None and got.dtype == torch.int64
+    assert sorted(got.tolist()) == sorted(held[:120].tolist())
+    assert not any(c.waited for c in copies.started)
+    assert token._pending.count == 20 and token.available_size() == 20
+    for c in copies.started:
+        c.done = True
+    assert token._pending.settle() == 20  # the 20 not taken, none of those taken
+    assert all(ledger.is_allocated(b) for b in held[:120].tolist())
+    assert not any(ledger.is_allocated(b) for b in held[120:140].tolist())
+
+
+def test_a_shortfall_takes_every_free_in_flight_and_the_rest_from_the_ledger(
+    token: Any,
+) -> None:
+    """When the ledger cannot give the whole allocation, the ids in flight (already
+    mapped, on pages the instance holds) go first and the ledger gives only the rest."""
+    copies = _in_flight(token)
+    ledger = token.ledger
+    held = token.alloc(token.available_size() - 30)  # 30 left in the ledger
+    assert held is not None
+    token.free(held[:50])
+    got = token.alloc(60)
+    assert got is not None and len(set(got.tolist())) == 60
+    assert set(held[:50].tolist()) <= set(got.tolist())
+    assert token._pending.count == 0 and token.available_size() == 20
+    assert all(ledger.is_allocated(b) for b in got.tolist())
+    copies.started[0].done = True
+    assert token._pending.settle() == 0  # all of it was taken: nothing to release
+    assert all(ledger.is_allocated(b) for b in held[:50].tolist())
 
 
 def test_clear_and_the_free_list_wait_for_every_free_in_flight(token: Any) -> None:
@@ -138,6 +171,17 @@ def test_the_paged_allocators_segment_frees_go_the_same_way(make: Any) -> None:
     copies.started[0].done = True
     a.kvcore_step()
     assert not any(ledger.is_allocated(p) for p in pages)
+
+
+def test_a_full_paged_pool_allocates_the_pages_just_evicted(make: Any) -> None:
+    a = make("on", size=1024, page_size=16).allocator
+    copies = _in_flight(a)
+    held = a.alloc(a.available_size())
+    assert held is not None and a.alloc(16) is None
+    a.free_segment(held[:64], start_pos=0)  # a radix leaf of four pages evicted
+    got = a.alloc(64)
+    assert got is not None and sorted(got.tolist()) == sorted(held[:64].tolist())
+    assert not copies.started[0].waited and a._pending.count == 0
 
 
 def test_on_the_cpu_a_free_reaches_the_ledger_at_once(token: Any) -> None:
