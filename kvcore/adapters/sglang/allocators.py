@@ -43,6 +43,7 @@ from sglang.srt.utils import next_power_of_2
 from kvcore.adapters.sglang import eviction
 from kvcore.adapters.sglang.release import PendingFrees
 from kvcore.errors import UnsupportedConfiguration
+from kvcore.parallel.agreement import RoomLedger
 
 # SGLang 0.5.23+ ships torch fallbacks of both index kernels (older ones only Triton)
 _NAIVE_KERNELS = hasattr(_paged, "alloc_extend_naive") and hasattr(_paged, "alloc_decode_naive")
@@ -112,6 +113,17 @@ class _ElasticMixin:
         if self._pinned:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
+
+    def _free_device_ids(self, ids: torch.Tensor) -> None:
+        """Free the distinct block ids of device tensor ``ids`` (not empty): through
+        ``PendingFrees``, without waiting for the device, where this rank decides alone; at
+        once where ranks agree their room (``RoomLedger``: TP > 1 under a budget), whose
+        figures must count a free at the same point on every rank, which the arrival of a
+        copy from the device is not."""
+        if isinstance(self.ledger, RoomLedger):
+            self._release_block_ids(ids.tolist())
+        else:
+            self._pending.add(ids)
 
     def _release_block_ids(self, ids: list[int]) -> None:
         """Free distinct block ids ``ids`` in the ledger: as one range when they are one
@@ -305,7 +317,7 @@ class ElasticTokenToKVPoolAllocator(_ElasticMixin, TokenToKVPoolAllocator):  # t
         if self.free_group is not None:
             self.free_group.append(self._copy_for_free_group(free_index))
             return
-        self._pending.add(free_index)  # token ids are block ids here
+        self._free_device_ids(free_index)  # token ids are block ids here
 
 
 class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAllocator):  # type: ignore[misc]
@@ -490,7 +502,7 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
         # every other upstream free path (free_segment, free_page_ids, free_group_end) ends here
         ids = page_ids[0] if len(page_ids) == 1 else torch.cat(page_ids)
         if ids.numel():
-            self._pending.add(ids)
+            self._free_device_ids(ids)
 
 
 # ``_fresh_ids`` on a GPU concatenates views of the id table for up to this many runs (a

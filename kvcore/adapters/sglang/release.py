@@ -20,7 +20,9 @@ allocation frees exactly the ids that allocation needs, and waiting for them to 
 host would wait for the batch in flight. Ids taken stay allocated in the ledger (they
 change owner, not state) and are not released when their copy arrives.
 
-On the CPU there is nothing to overlap: ``add`` frees at once.
+On the CPU there is nothing to overlap: ``add`` frees at once. Ranks that agree their room
+(TP > 1 under a budget) do not use it: the allocators free at once there, so that every
+rank counts a free at the same point.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ the next allocation or scheduler iteration once its copy is done (oldest first),
 allocation the ledger cannot meet must take the ids in flight on the device, without
 waiting (they stay allocated in the ledger and are not released when their copy arrives),
 returning ``None`` only when the ledger and the frees in flight together fall short.
-``clear`` and ``get_all_free_pages`` wait for all.
+``clear`` and ``get_all_free_pages`` wait for all. Ranks that agree their room free at once.
 """
 
 from __future__ import annotations
@@ -182,6 +182,25 @@ def test_a_full_paged_pool_allocates_the_pages_just_evicted(make: Any) -> None:
     got = a.alloc(64)
     assert got is not None and sorted(got.tolist()) == sorted(held[:64].tolist())
     assert not copies.started[0].waited and a._pending.count == 0
+
+
+def test_ranks_that_agree_their_room_free_at_once(token: Any) -> None:
+    """Under an agreement (TP > 1 with a budget) every rank's figures must count a free at
+    the same point, which a copy's arrival is not: frees go to the ledger at once."""
+    from kvcore.parallel.agreement import AgreedLedger
+
+    class _Alone:  # a one-rank agreement: the minimum of one vector is itself
+        size = 1
+
+        def min(self, values: Any) -> list[int]:
+            return list(values)
+
+    copies = _in_flight(token)
+    token.ledger = AgreedLedger(token.ledger, _Alone())
+    ids = token.alloc(16)
+    token.free(ids)
+    assert copies.started == [] and token._pending.count == 0
+    assert not any(token.ledger.is_allocated(b) for b in ids.tolist())
 
 
 def test_on_the_cpu_a_free_reaches_the_ledger_at_once(token: Any) -> None:
