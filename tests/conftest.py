@@ -25,18 +25,24 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
-from hypothesis.configuration import set_hypothesis_home_dir
 
-settings.register_profile("deterministic", derandomize=True, database=None)
-settings.register_profile("explore", database=None)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
-_HYPOTHESIS_HOME = tempfile.mkdtemp(prefix="kvcore-tests-hypothesis-")
-set_hypothesis_home_dir(_HYPOTHESIS_HOME)
+_HYPOTHESIS_HOME: str | None
+try:  # the engine sessions' venvs (vLLM's pinned requirements) have no hypothesis
+    from hypothesis import settings
+    from hypothesis.configuration import set_hypothesis_home_dir
+except ImportError:
+    _HYPOTHESIS_HOME = None
+else:
+    settings.register_profile("deterministic", derandomize=True, database=None)
+    settings.register_profile("explore", database=None)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
+    _HYPOTHESIS_HOME = tempfile.mkdtemp(prefix="kvcore-tests-hypothesis-")
+    set_hypothesis_home_dir(_HYPOTHESIS_HOME)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    shutil.rmtree(_HYPOTHESIS_HOME, ignore_errors=True)
+    if _HYPOTHESIS_HOME is not None:
+        shutil.rmtree(_HYPOTHESIS_HOME, ignore_errors=True)
 
 
 _SHM = Path("/dev/shm")
