@@ -97,6 +97,22 @@ def _serve_batches(server: ServeProcess, seen: dict[str, Any], args: argparse.Na
     seen["rounds_agree"] = rounds[0] == rounds[1]
 
 
+def _wait_up(server: ServeProcess, seen: dict[str, Any], timeout_s: float) -> None:
+    wait_ready([server], timeout_s)
+    seen["used_mib"]["up"] = gpu_used_mib()
+
+
+def _attempt(seen: dict[str, Any], step: Any) -> None:
+    """Run ``step()`` for a server whose earlier steps succeeded; a failure is recorded as
+    its ``error``, and later steps skip it."""
+    if "error" in seen:
+        return
+    try:
+        step()
+    except (RuntimeError, OSError, KeyError, ValueError) as exc:
+        seen["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
+
+
 def serve(
     modes: list[str], args: argparse.Namespace, prompts: list[list[int]], server_args: list[str]
 ) -> list[dict[str, Any]]:
@@ -113,18 +129,10 @@ def serve(
         servers.append(ServeProcess(cmd, os.environ, port, args.out / f"server-{mode}.log",
                                     f"sglang {mode}"))  # fmt: skip
     try:
-        for step in ("start", "serve"):  # every server up before any batch: the others idle
-            for server, s in zip(servers, seen, strict=True):
-                if "error" in s:
-                    continue
-                try:
-                    if step == "start":
-                        wait_ready([server], args.start_timeout_s)
-                        s["used_mib"]["up"] = gpu_used_mib()
-                    else:
-                        _serve_batches(server, s, args, prompts)
-                except (RuntimeError, OSError, KeyError, ValueError) as exc:
-                    s["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
+        for server, s in zip(servers, seen, strict=True):  # every server up before any batch
+            _attempt(s, lambda sv=server, s=s: _wait_up(sv, s, args.start_timeout_s))
+        for server, s in zip(servers, seen, strict=True):  # then each in turn, the others idle
+            _attempt(s, lambda sv=server, s=s: _serve_batches(sv, s, args, prompts))
     finally:
         stop_all(servers)
     after = gpu_used_mib()

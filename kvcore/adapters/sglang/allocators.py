@@ -198,7 +198,12 @@ class _ElasticMixin:
         upstream counts a free at once."""
         if self._budgeted:
             return self.ledger.available() + self._pending.count
-        return self.ledger.geometry.num_blocks - self.ledger.used() + self._pending.count
+        return self._logical_free_blocks()
+
+    def _logical_free_blocks(self) -> int:
+        """Blocks free in the ledger or on their way there from the device."""
+        ledger = self.ledger
+        return ledger.geometry.num_blocks - ledger.used() + self._pending.count
 
     def kvcore_step(self, tree_cache: Any = None) -> None:
         """Called by the patched scheduler (patch 0006) once per iteration with its tree
@@ -232,8 +237,7 @@ class _ElasticMixin:
         """Tokens the ledger holds free (logical, not capped by the physical budget): the
         ``available`` term of the scheduler's "available + evictable + protected = total"
         leak check in elastic mode."""
-        ledger = self.ledger
-        return (ledger.geometry.num_blocks - ledger.used() + self._pending.count) * self.page_size
+        return self._logical_free_blocks() * self.page_size
 
     def enforce_cache_bound(self, tree_cache: Any) -> int:
         """Evict the prefix cache down to ``max_cached_tokens`` evictable tokens; returns the
