@@ -27,12 +27,14 @@ taken whole (and a run of consecutive fresh pages) with list and ``bytearray`` s
 operations; ``free`` of many ids sorts them and checks and writes each page's share at once
 (a contiguous share with one ``bytearray.count`` and one slice write; a page it empties
 with one slice write and no stack work); distinct ids forming one run (and ``free_range``,
-for a caller that holds them as a run) are checked with one count for all. ``alloc_runs`` and
-``free_runs`` are the same calls with ids as ``(first, count)`` runs, for a caller that keeps
-them as ranges (SGLang's adapter: a run is a slice of a table of every id): no per-id int of
-a fresh page is made. ``alloc`` makes no page-allocator call while the partly used pages
-suffice. ``benchmarks/ledger_alloc.py`` and, in an engine's allocator,
-``benchmarks/sglang_alloc.py`` exercise these paths.
+for a caller that holds them as a run) are checked with one count for all. ``alloc_split``
+hands fresh pages over as ``(first, count)`` runs and ``free_runs`` takes runs back, for a
+caller that keeps ids as ranges (SGLang's adapter: a run is a slice of a table of every id):
+no per-id int of a fresh page is made. ``free_tensor`` takes ids as a tensor and checks and
+writes them with tensor operations (SGLang's token ids, freed on the device). ``alloc``
+makes no page-allocator call while the partly used pages suffice.
+``benchmarks/ledger_alloc.py`` and, in an engine's allocator, ``benchmarks/sglang_alloc.py``
+exercise these paths.
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ from __future__ import annotations
 import threading
 from bisect import bisect_left
 from collections.abc import Hashable, Iterable, Mapping, Sequence
+from itertools import accumulate
 from typing import TypeVar
+
+import torch
 
 from kvcore.errors import GeometryError, InvalidTransition, PoolFailed
 from kvcore.memory.geometry import KVGeometry
@@ -60,6 +65,9 @@ _ALLOCATED_BYTE = bytes((_ALLOCATED,))
 _IDLE_MAPPED = frozenset({PageState.RESERVED, PageState.UNMAP_QUEUED, PageState.MAPPING})
 # free() of at least this many ids checks and writes them page by page (sorted, slices)
 _BY_PAGE_MIN = 8
+# free_tensor() of at least this many ids checks and writes them with tensor operations;
+# fewer cost less as a list (a tensor operation's fixed cost is some dozens of list ids')
+_TENSOR_FREE_MIN = 64
 
 
 class BlockLedger:
@@ -90,6 +98,7 @@ class BlockLedger:
         self._num_blocks = nb = geometry.num_blocks
         num_pages = geometry.num_pages
         self._state = bytearray(nb)
+        self._states = torch.frombuffer(self._state, dtype=torch.uint8)  # the same memory
         # free block ids of each page (empty for pages this ledger does not hold)
         self._stacks: list[list[int]] = [[] for _ in range(num_pages)]
         self._capacity = [len(geometry.blocks_of(p)) for p in range(num_pages)]
@@ -169,23 +178,31 @@ class BlockLedger:
         with self._lock:
             return self._alloc(n, None)
 
-    def alloc_runs(self, n: int) -> list[tuple[int, int]] | None:
-        """``alloc(n)`` as runs: ``(first, count)`` pairs, ascending and not adjacent, each
-        naming the ids ``first .. first+count-1``; together the ``n`` ids ``alloc`` would
-        have handed out (same placement, same all-or-nothing, ``None`` and ``PoolFailed``
-        alike). For a caller that turns ids into a tensor (a run is a slice of a table of
-        every block id) and gives them back as runs (``free_runs``, ``free_range``): fresh
-        pages are handed over as ranges, never as per-id ints."""
+    def alloc_split(self, n: int) -> tuple[list[int], list[tuple[int, int]]] | None:
+        """``alloc(n)`` in two parts, for a caller that turns ids into a tensor (a run is a
+        slice of a table of every block id; SGLang's adapter): the ids taken from partly
+        used pages, as a list in no particular order, and the ids of fresh pages as
+        ``(first, count)`` runs, ascending and not adjacent. Together the ``n`` ids
+        ``alloc`` would have handed out (same placement, same all-or-nothing, ``None`` and
+        ``PoolFailed`` alike). Partly used ids of at most one page's worth that form one
+        range (a page filled from below, taken whole) join the runs; others stay a list:
+        splitting scattered ids into runs costs more per id than the caller's copy of
+        them. Fresh pages are never handed over as per-id ints."""
         if n <= 0:
             if n == 0:
-                return []
+                return [], []
             raise ValueError(f"block ledger: cannot allocate {n} blocks")
         with self._lock:
             runs: list[tuple[int, int]] = []
             ids = self._alloc(n, runs)
             if ids is None:
                 return None
-            return _as_runs(ids, runs)
+        if ids and len(ids) <= self._bpp:
+            lo = min(ids)
+            if max(ids) - lo == len(ids) - 1:  # distinct ids spanning as many values
+                runs.append((lo, len(ids)))
+                ids = []
+        return ids, (_merged(runs) if len(runs) > 1 else runs)
 
     def free(self, block_ids: Sequence[int], fence: int | None = None) -> None:
         """Free allocated block ids. A page whose blocks are now all free goes back to the
@@ -197,6 +214,24 @@ class BlockLedger:
             if len(block_ids) >= _BY_PAGE_MIN and self._free_by_page(block_ids, fence):
                 return
             self._free_each(block_ids, fence)
+
+    def free_tensor(self, block_ids: torch.Tensor, fence: int | None = None) -> None:
+        """``free`` of the ids in ``block_ids``, a 1-D integer tensor on the CPU, for a caller
+        that holds them as one (SGLang's adapter: the ids the engine freed on the device,
+        copied to the host). From ``_TENSOR_FREE_MIN`` ids on they are sorted, checked and
+        written with a few tensor operations over the block states, and per-id Python work
+        is one ``tolist`` of the ids that stay on partly used pages; fewer go to ``free``.
+        Same checks, same all-or-nothing, same ``InvalidTransition`` as ``free``."""
+        n = block_ids.numel()
+        if n < _TENSOR_FREE_MIN:
+            if n:
+                self.free(block_ids.tolist(), fence)
+            return
+        ids = torch.sort(block_ids.reshape(-1).to(torch.int64)).values
+        first, last = ids[[0, -1]].tolist()
+        with self._lock:
+            if first < 0 or last >= self._num_blocks or not self._free_sorted(ids, fence):
+                self._free_each(ids.tolist(), fence)  # raises naming the id
 
     def free_range(self, first: int, count: int, fence: int | None = None) -> None:
         """``free(range(first, first + count), fence)`` without building or checking a list
@@ -217,7 +252,7 @@ class BlockLedger:
                 self._free_each(range(first, first + count), fence)
 
     def free_runs(self, runs: Sequence[tuple[int, int]], fence: int | None = None) -> None:
-        """``free`` of the ids of ``runs`` (``(first, count)`` pairs, as ``alloc_runs``
+        """``free`` of the ids of ``runs`` (``(first, count)`` pairs, as ``alloc_split``
         returns them), all at once: one count checks each run and slice writes free it.
         Raises ``InvalidTransition`` naming the first id that is not freeable (runs that
         overlap name an id twice), with nothing changed, like ``free``; ``ValueError`` for
@@ -486,7 +521,7 @@ class BlockLedger:
     ) -> None:
         """Append ``n`` blocks of the ``fresh`` pages (in their order) to ``out`` (to
         ``runs`` as disjoint ``(first, count)`` ranges in that order when given; the short
-        last page may come first, so ``_as_runs`` sorts them) and give
+        last page may come first, so ``alloc_split`` sorts them) and give
         back the pages it did not need (a short last page over-covered). A run of
         consecutive pages taken whole costs one range and one slice write; a page taken in
         part keeps its upper blocks on its free stack. Caller holds ``_lock``."""
@@ -565,10 +600,6 @@ class BlockLedger:
                         return False
             ends.append(j)
             i = j
-        self._used -= n
-        held_free = self._held_free + n
-        stacks = self._stacks
-        emptied: list[int] = []
         i = 0
         for j in ends:
             a = ids[i]
@@ -578,18 +609,51 @@ class BlockLedger:
             else:
                 for b in ids[i:j]:
                     state[b] = _FREE
-            p = a // bpp
-            now = len(stacks[p]) + k
+            i = j
+        self._return_shares(ids, ends, fence)
+        return True
+
+    def _free_sorted(self, ids: torch.Tensor, fence: int | None) -> bool:
+        """``free_tensor`` of the ascending int64 ids ``ids`` (more than one, all in range):
+        one gather checks that every id is allocated, one comparison of neighbours that none
+        is named twice; then one run goes to ``_free_run``, others are written with one
+        scatter and handed to ``_return_shares`` page by page. ``False`` with nothing
+        changed when an id is not freeable. Caller holds ``_lock``."""
+        states = self._states
+        if not bool(states[ids].eq(_ALLOCATED).all()) or bool(ids[1:].eq(ids[:-1]).any()):
+            return False
+        n = ids.numel()
+        listed: list[int] = ids[[0, -1]].tolist()
+        if listed[1] - listed[0] == n - 1:  # distinct and ascending: one run
+            return self._free_run(listed[0], n, fence)
+        states[ids] = _FREE
+        _, counts = torch.unique_consecutive(ids // self._bpp, return_counts=True)
+        self._return_shares(ids.tolist(), accumulate(counts.tolist()), fence)
+        return True
+
+    def _return_shares(self, ids: list[int], ends: Iterable[int], fence: int | None) -> None:
+        """The ascending ids ``ids`` were just freed (states written): page by page (each
+        page's share is ``ids[previous end : end]``, ``ends`` ascending) push them on the
+        page's free stack and rebucket it, or release it when it is now empty; count them
+        off ``_used``. Caller holds ``_lock``."""
+        bpp = self._bpp
+        stacks = self._stacks
+        held_free = self._held_free + len(ids)
+        emptied: list[int] = []
+        i = 0
+        for j in ends:
+            p = ids[i] // bpp
+            now = len(stacks[p]) + j - i
             if self._rebucket(p, now):
                 held_free -= now
                 emptied.append(p)
             else:
                 stacks[p] += ids[i:j]
             i = j
+        self._used -= len(ids)
         self._held_free = held_free
         if emptied:
             self._pages.release(emptied, fence)
-        return True
 
     def _free_run(self, first: int, n: int, fence: int | None) -> bool:
         """``_free_by_page`` for the distinct ids ``first .. first+n-1`` (a request's blocks,
@@ -740,37 +804,6 @@ class BlockLedger:
         if self._state[block] == _PINNED:
             return "it is pinned (one of pinned_blocks)"
         return "not allocated (a double free, or named twice in one call)"
-
-
-def _as_runs(ids: list[int], runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The distinct ``ids`` and the disjoint ``runs`` (``_take_fresh``'s, in the order the
-    page allocator handed the fresh pages over: the short last page may come before lower
-    pages) together as ``(first, count)`` runs, ascending, adjacent ones merged. Ids forming
-    one range (a partly used page taken whole, its blocks freed as a run) cost one ``min``
-    and one ``max``, and join the first run when they end where it starts (the common case:
-    the fresh pages follow that page); other ids are sorted and split."""
-    if not ids:
-        if len(runs) < 2:
-            return runs
-        return _merged(runs)
-    lo = min(ids)
-    k = len(ids)
-    if max(ids) - lo == k - 1:  # distinct ids spanning as many values: one range
-        if not runs:
-            return [(lo, k)]
-        if lo + k == runs[0][0] and len(runs) == 1:
-            return [(lo, k + runs[0][1])]
-        runs.append((lo, k))
-    else:
-        ids.sort()
-        start = prev = ids[0]
-        for b in ids[1:]:
-            if b != prev + 1:
-                runs.append((start, prev + 1 - start))
-                start = b
-            prev = b
-        runs.append((start, prev + 1 - start))
-    return _merged(runs)
 
 
 def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:

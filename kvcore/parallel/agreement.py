@@ -61,6 +61,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from kvcore.errors import AgreementError
 
 if TYPE_CHECKING:
+    import torch
+
     from kvcore.memory.blocks import BlockLedger
     from kvcore.memory.geometry import KVGeometry
     from kvcore.memory.pages import PageAllocator
@@ -277,9 +279,14 @@ class RoomLedger:
         self._ledger.free(block_ids, fence)
         self.room.freed(len(block_ids), self.index)
 
-    def alloc_runs(self, n: int) -> list[tuple[int, int]] | None:
-        """``BlockLedger.alloc_runs`` on this rank only (the owner agrees the decision)."""
-        return self._ledger.alloc_runs(n)
+    def alloc_split(self, n: int) -> tuple[list[int], list[tuple[int, int]]] | None:
+        """``BlockLedger.alloc_split`` on this rank only (the owner agrees the decision)."""
+        return self._ledger.alloc_split(n)
+
+    def free_tensor(self, block_ids: torch.Tensor, fence: int | None = None) -> None:
+        """``BlockLedger.free_tensor``, counted toward the agreed room like ``free``."""
+        self._ledger.free_tensor(block_ids, fence)
+        self.room.freed(block_ids.numel(), self.index)
 
     def free_range(self, first: int, count: int, fence: int | None = None) -> None:
         """``BlockLedger.free_range``, counted toward the agreed room like ``free``."""
@@ -342,11 +349,19 @@ class AgreedLedger(RoomLedger):
             return self._ledger.alloc(n)
         return self.room.decide(lambda: self._ledger.alloc(n), self._ledger.free)
 
-    def alloc_runs(self, n: int) -> list[tuple[int, int]] | None:
-        """``BlockLedger.alloc_runs`` agreed by every rank, as ``alloc`` (a collective)."""
+    def alloc_split(self, n: int) -> tuple[list[int], list[tuple[int, int]]] | None:
+        """``BlockLedger.alloc_split`` agreed by every rank, as ``alloc`` (a collective)."""
         if n <= 0:
-            return self._ledger.alloc_runs(n)
-        return self.room.decide(lambda: self._ledger.alloc_runs(n), self._ledger.free_runs)
+            return self._ledger.alloc_split(n)
+        return self.room.decide(lambda: self._ledger.alloc_split(n), self._undo_split)
+
+    def _undo_split(self, got: tuple[list[int], list[tuple[int, int]]]) -> None:
+        """Give back what ``alloc_split`` allocated."""
+        ids, runs = got
+        if ids:
+            self._ledger.free(ids)
+        if runs:
+            self._ledger.free_runs(runs)
 
     def step(self) -> bool:
         """``Agreement.step`` of this rank (call once per scheduler iteration)."""

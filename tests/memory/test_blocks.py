@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from itertools import pairwise
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -407,39 +408,51 @@ def runs_of(ids: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def test_alloc_runs_hands_out_the_blocks_alloc_would(backend: str) -> None:
-    """Twin ledgers driven alike: ``alloc_runs`` names the same blocks as ``alloc`` (fresh
-    pages as whole runs, partly used pages' free blocks merged into runs), ascending and
-    not adjacent; ``free_runs`` in any order frees what ``free`` does."""
+def test_alloc_split_hands_out_the_blocks_alloc_would(backend: str) -> None:
+    """Twin ledgers driven alike: ``alloc_split`` names the same blocks as ``alloc`` (fresh
+    pages as whole runs, ascending and not adjacent; partly used pages' free blocks as a
+    list, or joined to the runs when they are one range); ``free_runs`` in any order frees
+    what ``free`` does."""
     stacks = [
         build_stack(backend, num_blocks=32, blocks_per_page=BPP, background=False) for _ in range(2)
     ]
     try:
-        plain, by_runs = (s.ledger(pinned=(0,)) for s in stacks)
+        plain, by_split = (s.ledger(pinned=(0,)) for s in stacks)
         for n, victims in [(13, [3, 4, 9, 12]), (6, [1, 2, 5, 6, 7, 8]), (9, []), (5, [])]:
             ids = plain.alloc(n)
-            runs = by_runs.alloc_runs(n)
-            assert ids is not None and runs is not None
-            assert sorted(ids) == expand(runs) and len(ids) == n
+            got = by_split.alloc_split(n)
+            assert ids is not None and got is not None
+            listed, runs = got
+            assert sorted(ids) == sorted(listed + expand(runs)) and len(ids) == n
             assert all(a + k < b for (a, k), (b, _) in pairwise(runs))
             plain.free(victims)
-            by_runs.free_runs(runs_of(victims)[::-1])
+            by_split.free_runs(runs_of(victims)[::-1])
             assert [plain.is_allocated(b) for b in range(32)] == [
-                by_runs.is_allocated(b) for b in range(32)
+                by_split.is_allocated(b) for b in range(32)
             ]
             assert stacks[0].pages.stats().in_use == stacks[1].pages.stats().in_use
-        assert by_runs.alloc_runs(0) == [] and by_runs.alloc_runs(32) is None  # a miss
-        assert by_runs.used() == plain.used()
+        assert by_split.alloc_split(0) == ([], []) and by_split.alloc_split(32) is None  # a miss
+        assert by_split.used() == plain.used()
         with pytest.raises(ValueError):
-            by_runs.alloc_runs(-1)
+            by_split.alloc_split(-1)
     finally:
         for s in stacks:
             s.close()
 
 
+def test_alloc_split_lists_scattered_ids_and_joins_a_range_to_the_runs(stack: MemStack) -> None:
+    ledger = stack.ledger(pinned=(0,))
+    assert ledger.alloc_split(15) == ([], [(1, 15)])  # the rest of page 0 and three pages
+    ledger.free([2, 5, 7, 13])  # from pages 0, 1 and 3
+    listed, runs = ledger.alloc_split(4 + BPP)  # four scattered ids, then a fresh page
+    assert sorted(listed) == [2, 5, 7, 13] and runs == [(16, BPP)]
+    ledger.free(list(range(17, 16 + BPP)))  # page 4 keeps 16: its upper blocks are free
+    assert ledger.alloc_split(BPP - 1) == ([], [(17, BPP - 1)])  # one range: a run
+
+
 def test_free_runs_is_all_or_nothing_and_names_the_id(stack: MemStack) -> None:
     ledger = stack.ledger(pinned=(0,))
-    assert ledger.alloc_runs(15) == [(1, 15)]  # the rest of page 0 and three fresh pages
+    assert ledger.alloc_split(15) == ([], [(1, 15)])  # the rest of page 0, three fresh pages
     ledger.free_runs([(6, 1)])
     cases = [
         ([(1, 3), (5, 3)], "block 6: not allocated"),  # a freed id inside a run
@@ -567,12 +580,58 @@ def test_blocks_in_use_stay_mapped_and_keep_their_data(
         stack.close()
 
 
+def test_free_tensor_frees_what_free_does_and_refuses_what_it_refuses() -> None:
+    """Twin ledgers, one freed by lists, one by tensors of the same ids (below and above
+    ``free_tensor``'s threshold, scattered over pages, one run): the same blocks, the same
+    pages released; a bad id among many raises naming it, with nothing changed."""
+    from kvcore.memory.blocks import _TENSOR_FREE_MIN
+
+    n = 16 * _TENSOR_FREE_MIN
+    stacks = [build_stack("host", num_blocks=n, blocks_per_page=BPP, background=False)]
+    stacks.append(build_stack("host", num_blocks=n, blocks_per_page=BPP, background=False))
+    try:
+        by_list, by_tensor = (s.ledger(pinned=(0,)) for s in stacks)
+        for ledger in (by_list, by_tensor):
+            assert ledger.alloc(n - 1) is not None
+        rnd = random.Random(7)
+        scattered = rnd.sample(range(1, n // 2), 4 * _TENSOR_FREE_MIN)
+        for ids in (scattered[:5], scattered[5:], list(range(n // 2, n - 3))):
+            by_list.free(ids)
+            by_tensor.free_tensor(torch.tensor(ids))
+            assert [by_list.is_allocated(b) for b in range(n)] == [
+                by_tensor.is_allocated(b) for b in range(n)
+            ]
+            assert stacks[0].pages.stats().in_use == stacks[1].pages.stats().in_use
+        left = [b for b in range(1, n) if by_tensor.is_allocated(b)]
+        never = scattered[0]
+        for bad, shown in [(never, "not allocated"), (0, "pinned"), (n, "out of range"),
+                           (left[-1], "named twice")]:  # fmt: skip
+            ids = torch.tensor([*left, bad])[torch.randperm(len(left) + 1)]
+            with pytest.raises(InvalidTransition, match=f"block {bad}: .*{shown}"):
+                by_tensor.free_tensor(ids)
+            assert [b for b in range(n) if by_tensor.is_allocated(b)] == [0, *left]
+        by_tensor.free_tensor(torch.tensor(left))
+        assert by_tensor.used() == 1 and stacks[1].pages.stats().in_use == 1
+    finally:
+        for s in stacks:
+            s.close()
+
+
 # -- many ids per call: alloc's whole-page and free's page-by-page paths -------------------
 
 BIG_OPS = st.lists(
     st.tuples(
         st.sampled_from(
-            ["alloc", "alloc-runs", "free", "free-sorted", "free-bad", "free-range", "free-runs"]
+            [
+                "alloc",
+                "alloc-split",
+                "free",
+                "free-sorted",
+                "free-tensor",
+                "free-bad",
+                "free-range",
+                "free-runs",
+            ]
         ),
         st.integers(min_value=1, max_value=30),
         st.randoms(use_true_random=False),
@@ -586,19 +645,22 @@ BIG_OPS = st.lists(
 # the short last page handed out before a lower fresh page: runs must still come ascending
 @example(
     ops=[("alloc", 23, random.Random(0)), ("alloc", 23, random.Random(0)),
-         ("alloc-runs", 3, random.Random(0))],
+         ("alloc-split", 3, random.Random(0))],
     bpp=4,
     short=True,
 )  # fmt: skip
+@patch("kvcore.memory.blocks._TENSOR_FREE_MIN", 2)
 def test_large_alloc_and_free_keep_placement_checks_and_pages_exact(
     ops: list[tuple[str, int, random.Random]], bpp: int, short: bool
 ) -> None:
-    """Against a model (the set of allocated ids): alloc(n) of many ids (as a list, or as
-    ascending, non-adjacent runs) fills partly used pages before fresh ones, fullest first;
-    free of many ids (shuffled, sorted, contiguous or not, as runs in any order) empties
-    exactly the pages left without an allocated block; a bad id anywhere in a large free
-    (double, never allocated, pinned, out of range, named twice; as ids or as runs) raises
-    naming it with nothing changed. Pinned block 0 and a short last page are in play."""
+    """Against a model (the set of allocated ids): alloc(n) of many ids (as a list, or as a
+    list and ascending, non-adjacent runs) fills partly used pages before fresh ones,
+    fullest first; free of many ids (shuffled, sorted, contiguous or not, as runs in any
+    order, as a tensor) empties exactly the pages left without an allocated block; a bad id
+    anywhere in a large free (double, never allocated, pinned, out of range, named twice;
+    as ids, as runs or as a tensor) raises naming it with nothing changed. Pinned block 0
+    and a short last page are in play. ``free_tensor``'s tensor path is taken from 2 ids on
+    here (its threshold lowered), so these small frees exercise it."""
     num_blocks = 12 * bpp - (bpp // 2 if short else 0)
     stack = build_stack("host", num_blocks=num_blocks, blocks_per_page=bpp, background=False)
     try:
@@ -611,16 +673,16 @@ def test_large_alloc_and_free_keep_placement_checks_and_pages_exact(
 
         for op, n, rnd in ops:
             held = {p for p in range(geometry.num_pages) if live_on(p)}
-            if op in ("alloc", "alloc-runs"):
+            if op in ("alloc", "alloc-split"):
                 free_slots = {p: len(geometry.blocks_of(p)) - live_on(p) for p in held}
                 if op == "alloc":
                     got = ledger.alloc(n)
                 else:
-                    runs = ledger.alloc_runs(n)
-                    got = None if runs is None else expand(runs)
-                    if runs is not None:
-                        assert all(k > 0 for _, k in runs)
-                        assert all(a + k < b for (a, k), (b, _) in pairwise(runs))
+                    split = ledger.alloc_split(n)
+                    got = None if split is None else split[0] + expand(split[1])
+                    if split is not None:
+                        assert all(k > 0 for _, k in split[1])
+                        assert all(a + k < b for (a, k), (b, _) in pairwise(split[1]))
                 if got is None:
                     assert n > num_blocks - 1 - len(allocated)
                     continue
@@ -652,11 +714,14 @@ def test_large_alloc_and_free_keep_placement_checks_and_pages_exact(
                 rnd.shuffle(runs)
                 ledger.free_runs(runs)
                 allocated -= set(victims)
-            elif op in ("free", "free-sorted"):
+            elif op in ("free", "free-sorted", "free-tensor"):
                 victims = rnd.sample(sorted(allocated), min(n, len(allocated)))
                 if op == "free-sorted":
                     victims.sort()
-                ledger.free(victims)
+                if op == "free-tensor":
+                    ledger.free_tensor(torch.tensor(victims, dtype=torch.int64))
+                else:
+                    ledger.free(victims)
                 allocated -= set(victims)
             else:
                 victims = rnd.sample(sorted(allocated), min(n, len(allocated)))
@@ -671,10 +736,13 @@ def test_large_alloc_and_free_keep_placement_checks_and_pages_exact(
                 else:
                     shown = "pinned" if bad == 0 else "range" if bad in (-1, num_blocks) else ""
                 with pytest.raises(InvalidTransition, match=f"block {bad}: .*{shown}") as err:
-                    if rnd.random() < 0.5:
+                    way = rnd.random()
+                    if way < 1 / 3:
                         ledger.free(ids)
-                    else:  # as runs of one id (a repeated id: overlapping runs)
+                    elif way < 2 / 3:  # as runs of one id (a repeated id: overlapping runs)
                         ledger.free_runs([(b, 1) for b in ids])
+                    else:
+                        ledger.free_tensor(torch.tensor(ids, dtype=torch.int64))
                 assert err.value.ids == (bad,)
             assert ledger.used() == len(allocated) + 1
             assert all(ledger.is_allocated(b) for b in allocated)

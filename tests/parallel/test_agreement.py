@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import pytest
+import torch
 
 from kvcore.budget.gate import BudgetGate
 from kvcore.errors import AgreementError
@@ -86,22 +87,28 @@ def test_a_peer_miss_rolls_back_and_misses_here_too(ledger: BlockLedger) -> None
     assert len(peer.calls) == 4  # wrap, alloc, alloc, room after the miss
 
 
-def test_runs_are_agreed_and_rolled_back_and_their_frees_counted(ledger: BlockLedger) -> None:
-    """``alloc_runs``/``free_runs`` through the agreement: one decision per allocation, a
-    peer's miss rolls the runs back here, and freed runs count toward the agreed room."""
+def test_split_allocations_are_agreed_and_rolled_back_and_their_frees_counted(
+    ledger: BlockLedger,
+) -> None:
+    """``alloc_split``/``free_tensor`` through the agreement: one decision per allocation,
+    a peer's miss rolls back both the listed ids and the runs here, and freed tensors count
+    toward the agreed room."""
     peer = ScriptedPeer()
     agreed = AgreedLedger(ledger, peer)
-    runs = agreed.alloc_runs(2 * BPP)  # peer agrees
-    assert runs is not None and sum(k for _, k in runs) == 2 * BPP
+    got = agreed.alloc_split(2 * BPP)  # peer agrees
+    assert got is not None
+    every = got[0] + [b for a, k in got[1] for b in range(a, a + k)]
+    assert len(every) == 2 * BPP
+    agreed.free_tensor(torch.tensor(every[:3]))  # three blocks free on a held page
     used, pages = ledger.used(), _in_use(ledger)
     peer.script = [[0, 9], [5]]  # the peer missed; then 5 blocks of room left there
     calls = len(peer.calls)
-    assert agreed.alloc_runs(BPP) is None
+    assert agreed.alloc_split(BPP + 3) is None  # would list the three, run a fresh page
     assert ledger.used() == used and _in_use(ledger) == pages  # rolled back, page returned
     assert len(peer.calls) == calls + 2 and agreed.available() == 5
-    agreed.free_runs(runs)
-    assert agreed.available() == 5 + 2 * BPP and ledger.used() == used - 2 * BPP
-    assert agreed.alloc_runs(0) == [] and len(peer.calls) == calls + 2  # n == 0: local
+    agreed.free_tensor(torch.tensor(every[3:]))
+    assert agreed.available() == 5 + 2 * BPP - 3 and ledger.used() == used - 2 * BPP + 3
+    assert agreed.alloc_split(0) == ([], []) and len(peer.calls) == calls + 2  # n == 0: local
 
 
 def test_available_is_the_agreed_room_plus_frees_without_a_collective(

@@ -121,34 +121,26 @@ class _ElasticMixin:
         figures must count a free at the same point on every rank, which the arrival of a
         copy from the device is not."""
         if isinstance(self.ledger, RoomLedger):
-            self._release_block_ids(ids.tolist())
+            self._release_block_ids(ids.cpu())
         else:
             self._pending.add(ids)
 
-    def _release_block_ids(self, ids: list[int]) -> None:
-        """Free distinct block ids ``ids`` in the ledger: as one range when they are one
-        (``BlockLedger.free_range``: no per-id work), else as a list."""
-        n = len(ids)
-        if not n:
-            return
-        first = min(ids)
-        if max(ids) - first == n - 1:  # n distinct ids spanning n values: exactly that range
-            self.ledger.free_range(first, n)
-        else:
-            self.ledger.free(ids)
+    def _release_block_ids(self, ids: torch.Tensor) -> None:
+        """Free the distinct block ids of CPU tensor ``ids`` in the ledger
+        (``BlockLedger.free_tensor``: tensor operations, no per-id check in Python)."""
+        self.ledger.free_tensor(ids)
 
     def _fresh_ids(self, n: int) -> torch.Tensor | None:
         """``n`` fresh ledger blocks as an int64 tensor on the allocator's device (token ids
         at ``page_size == 1``, the page tensor SGLang's index kernels read otherwise), or
-        ``None`` on a miss. On a GPU, and on the CPU from ``_RUNS_FROM`` blocks, the ledger
-        hands them over as runs (``BlockLedger.alloc_runs``): one run is a view of
-        ``_block_ids`` (no per-id work; on a GPU no host-to-device copy, which would wait
-        for the device), a few on a GPU are concatenated on the device; fewer blocks on the
-        CPU, or many scattered runs, are copied from a list of ids (cheaper there than
-        finding runs). A view is only read, as upstream's token ``alloc`` hands out a view
-        of its free list. Frees whose copies from the device have arrived reach the ledger
-        first; what the ledger cannot give is taken from the frees still in flight, on the
-        device and without waiting (``PendingFrees.take``), the rest from the ledger."""
+        ``None`` on a miss. The ledger hands fresh pages over as runs
+        (``BlockLedger.alloc_split``): one run is a view of ``_block_ids`` (no per-id work;
+        on a GPU no host-to-device copy), a few on a GPU are concatenated on the device;
+        ids from partly used pages, or many runs, are copied from a list. A view is only
+        read, as upstream's token ``alloc`` hands out a view of its free list. Frees whose
+        copies from the device have arrived reach the ledger first; what the ledger cannot
+        give is taken from the frees still in flight, on the device and without waiting
+        (``PendingFrees.take``), the rest from the ledger."""
         pending = self._pending
         if pending:
             pending.settle()
@@ -165,18 +157,19 @@ class _ElasticMixin:
 
     def _take_fresh(self, n: int) -> torch.Tensor | None:
         """``_fresh_ids``' one attempt at the ledger."""
-        if self._on_cpu and n < _RUNS_FROM:
-            ids = self.ledger.alloc(n)
-            return None if ids is None else self._as_tensor(ids)
-        runs = self.ledger.alloc_runs(n)
-        if runs is None:
+        got = self.ledger.alloc_split(n)
+        if got is None:
             return None
-        if len(runs) == 1:
-            first, count = runs[0]
-            return self._block_ids[first : first + count]
-        if not self._on_cpu and 1 < len(runs) <= _RUNS_AS_VIEWS:
-            return torch.cat([self._block_ids[a : a + k] for a, k in runs])
-        return self._as_tensor([b for a, k in runs for b in range(a, a + k)])
+        ids, runs = got
+        if not ids:
+            if len(runs) == 1:
+                first, count = runs[0]
+                return self._block_ids[first : first + count]
+            if not self._on_cpu and 1 < len(runs) <= _RUNS_AS_VIEWS:
+                return torch.cat([self._block_ids[a : a + k] for a, k in runs])
+        for first, count in runs:
+            ids += range(first, first + count)
+        return self._as_tensor(ids)
 
     def _free_all(self) -> None:
         self._pending.settle(wait=True)
@@ -482,23 +475,15 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
         return out
 
     def free(self, free_index: torch.Tensor) -> None:
-        """Upstream's ``free``; its deduplicated page ids are strictly increasing
-        (``torch.unique``), so when the last minus the first is their count minus one they
-        are one run and go to the ledger as a range (``BlockLedger.free_range``). Of more
-        than ``_LISTED_IDS_MAX`` ids only those two leave the tensor (one strided view, one
-        ``tolist``): no per-id int is made for a run."""
+        """Upstream's ``free``: the deduplicated page ids of ``free_index`` go to the ledger
+        (``_release_block_ids``; ``torch.unique`` waits for the device here, as upstream's
+        does)."""
         if free_index.numel() == 0:
             return
         if self.free_group is not None:
             self.free_group.append(self._copy_for_free_group(free_index))
             return
-        pages = torch.unique(free_index // self.page_size)
-        n = pages.numel()
-        ids = pages.tolist() if n <= _LISTED_IDS_MAX else pages[:: n - 1].tolist()
-        if ids[-1] - ids[0] == n - 1:
-            self.ledger.free_range(ids[0], n)
-        else:
-            self.ledger.free(ids if len(ids) == n else pages.tolist())
+        self._release_block_ids(torch.unique(free_index // self.page_size).cpu())
         if self.debug_mode:
             self._debug_check_no_duplicate_pages()
 
@@ -512,13 +497,6 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticMixin, PagedTokenToKVPoolAlloca
 # ``_fresh_ids`` on a GPU concatenates views of the id table for up to this many runs (a
 # few tensor calls each); more runs are expanded to ids and copied in one tensor
 _RUNS_AS_VIEWS = 8
-# ``_fresh_ids`` on the CPU takes this many blocks or more as runs, fewer as a list of ids:
-# for small requests merging a partly used page's ids into runs costs more than the list
-# (``benchmarks/sglang_alloc.py`` measures both paths)
-_RUNS_FROM = 256
-# ``free`` lists up to this many page ids (``tolist``) and reads only the first and the last
-# of more: listing is cheaper for small frees, its cost grows with the count
-_LISTED_IDS_MAX = 256
 
 # Batches of up to this many requests count their new pages in Python ints from the CPU
 # lengths (one ``tolist`` each); larger ones in numpy over the same tensors' memory (no copy;

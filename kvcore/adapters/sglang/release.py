@@ -67,13 +67,14 @@ class _Freed:
 class PendingFrees:
     """Freed block ids on their way from the device to ``release`` (module docstring).
 
-    ``release(ids)`` takes a list of distinct block ids (the ledger's free); ``on_device``
+    ``release(ids)`` takes distinct block ids as an int64 CPU tensor (the ledger's
+    ``free_tensor``); ``on_device``
     says whether the freed tensors live on a GPU (else ``add`` releases at once);
     ``transfer`` starts one copy (tests give their own to hold a copy in flight)."""
 
     def __init__(
         self,
-        release: Callable[[list[int]], None],
+        release: Callable[[torch.Tensor], None],
         on_device: bool,
         transfer: Callable[[torch.Tensor], tuple[Done, torch.Tensor]] = _copy_to_host,
     ) -> None:
@@ -91,7 +92,7 @@ class PendingFrees:
         """Free the distinct block ids in ``ids`` (a 1-D integer tensor, not empty): at once
         on the CPU, else once the copy queued now has completed."""
         if not self._on_device:
-            self._release(ids.tolist())
+            self._release(ids.to(torch.int64))
             return
         device = ids.to(torch.int64, copy=True)  # the caller may reuse its tensor
         self._queue.append(_Freed(device, *self._transfer(device)))
@@ -129,9 +130,10 @@ class PendingFrees:
             elif not freed.done.query():
                 break
             queue.popleft()
-            ids = freed.host[freed.taken :].tolist()
-            self.count -= len(ids)
-            released += len(ids)
-            if ids:
+            ids = freed.host[freed.taken :]
+            n = ids.numel()
+            self.count -= n
+            released += n
+            if n:
                 self._release(ids)
         return released

@@ -2,11 +2,11 @@
 
 ``alloc_extend`` / ``alloc_decode`` count a batch's new pages themselves (Python ints from the
 CPU lengths for small batches, SGLang's ``get_num_new_pages`` above that): the count must be
-SGLang's exactly, on both paths. The ledger hands fresh blocks over as runs
-(``BlockLedger.alloc_runs``), which reach SGLang's index kernel as a view of the allocator's id
-table (one run; on a GPU no host-to-device copy), a concatenation of views (a few) or a copy
-(many): the tokens laid out must be the ledger's blocks on every path, and a failing kernel
-must give every run back.
+SGLang's exactly, on both paths. The ledger hands fresh blocks over as runs and the free
+blocks of partly used pages as a list (``BlockLedger.alloc_split``), which reach SGLang's index
+kernel as a view of the allocator's id table (one run; on a GPU no host-to-device copy), a
+concatenation of views (a few) or a copy (a list, or many runs): the tokens laid out must be
+the ledger's blocks on every path, and a failing kernel must give every block back.
 """
 
 from __future__ import annotations
@@ -52,33 +52,36 @@ def test_new_page_counts_are_sglangs(batch: list[tuple[int, int]], page_size: in
 def test_fresh_pages_are_views_of_the_id_table_or_copies(
     make: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """From ``_RUNS_FROM`` blocks on the CPU (any count on a GPU) the ledger's blocks come
-    as runs: one run is a view of the id table, a few on a GPU a concatenation of views,
-    many a copy; fewer blocks on the CPU a copy of the ledger's list. Always exactly the
-    blocks the ledger allocated."""
-    from kvcore.adapters.sglang import allocators
-
-    n = allocators._RUNS_FROM
-    a = make("on", size=(n + 64) * 16, page_size=16).allocator
+    """One run of blocks is a view of the id table, a few runs on a GPU a concatenation of
+    views; scattered free blocks of partly used pages, or many runs, a copy. Always exactly
+    the blocks the ledger allocated."""
+    a = make("on", size=364 * 16, page_size=16).allocator
     ledger = a.ledger
     table = a._block_ids.untyped_storage().data_ptr()
-    big = a._fresh_ids(n)  # the rest of page 0 and fresh pages: one run
+    big = a._fresh_ids(300)  # the rest of page 0 and fresh pages: one run
     assert big is not None and big.untyped_storage().data_ptr() == table
-    assert big.tolist() == list(range(1, n + 1)) and ledger.used() == n + 1
-    small = a._fresh_ids(3)
-    assert small is not None and small.untyped_storage().data_ptr() != table
-    assert len(set(small.tolist()) - set(big.tolist())) == 3 and ledger.used() == n + 4
-    assert all(ledger.is_allocated(b) for b in small.tolist())
+    assert big.tolist() == list(range(1, 301)) and ledger.used() == 301
+    small = a._fresh_ids(3)  # the lowest free blocks of the last page: one run too
+    assert small is not None and small.untyped_storage().data_ptr() == table
+    assert small.tolist() == [301, 302, 303] and ledger.used() == 304
+    a._release_block_ids(torch.tensor([40, 5, 9]))
+    holes = a._fresh_ids(3)
+    assert holes is not None and holes.untyped_storage().data_ptr() != table
+    assert sorted(holes.tolist()) == [5, 9, 40] and ledger.used() == 304
+    assert all(ledger.is_allocated(b) for b in (5, 9, 40))
 
     a._on_cpu = False  # the device branch (no device-specific code in it)
-    # the ledger's runs given, to see how each shape is laid out (alloc_runs is tested in
+    # the ledger's parts given, to see how each shape is laid out (alloc_split is tested in
     # tests/memory/test_blocks.py)
-    for runs, want in [
-        ([(3, 2), (10, 3)], [3, 4, 10, 11, 12]),
-        ([(2 * i + 1, 1) for i in range(9)], [2 * i + 1 for i in range(9)]),
-        ([], []),
+    for (listed, runs), want in [
+        (([], [(3, 2), (10, 3)]), [3, 4, 10, 11, 12]),
+        (([], [(2 * i + 1, 1) for i in range(9)]), [2 * i + 1 for i in range(9)]),
+        (([7, 5], [(10, 2)]), [7, 5, 10, 11]),
+        (([], []), []),
     ]:
-        monkeypatch.setattr(ledger, "alloc_runs", lambda k, runs=runs: runs)
+        monkeypatch.setattr(
+            ledger, "alloc_split", lambda k, listed=listed, runs=runs: (list(listed), runs)
+        )
         got = a._fresh_ids(len(want))
         assert got is not None and got.tolist() == want
 
@@ -134,11 +137,9 @@ def test_extend_lays_tokens_on_the_ledgers_runs_and_a_failure_gives_them_back(
 
 @requires_cpu_paged_kernels
 def test_free_of_many_pages_as_a_run_or_not_frees_exactly_them(make: Any) -> None:
-    """Above ``_LISTED_IDS_MAX`` freed pages ``free`` reads only the first and last page id
-    to spot a run; a set that is not one is then listed and freed page by page."""
-    from kvcore.adapters.sglang import allocators
-
-    n = allocators._LISTED_IDS_MAX + 44
+    """Many freed pages, one run or not (``BlockLedger.free_tensor``'s tensor path), free
+    exactly those pages."""
+    n = 300
     e = make("on", size=(2 * n + 64) * 16, page_size=16)
     a, ledger = e.allocator, e.manager.ledger
     out = extend(a, [0, 0], [16 * n, 16 * n], [-1, -1])

@@ -208,18 +208,3 @@ def test_on_the_cpu_a_free_reaches_the_ledger_at_once(token: Any) -> None:
     token.free(ids)
     assert token._pending.count == 0
     assert not any(token.ledger.is_allocated(b) for b in ids.tolist())
-
-
-def test_released_ids_go_to_the_ledger_as_a_range_when_they_are_one(token: Any) -> None:
-    ledger = token.ledger
-    calls: list[tuple[str, Any]] = []
-    real_free, real_range = ledger.free, ledger.free_range
-    ledger.free = lambda ids, *a: (calls.append(("list", sorted(ids))), real_free(ids, *a))[1]
-    ledger.free_range = lambda first, n, *a: (
-        calls.append(("range", (first, n))),
-        real_range(first, n, *a),
-    )[1]
-    assert token.alloc(30) is not None  # blocks 1-30
-    token._release_block_ids([12, 10, 11])
-    token._release_block_ids([20, 22])
-    assert calls == [("range", (10, 3)), ("list", [20, 22])]

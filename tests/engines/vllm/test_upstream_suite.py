@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.engines.vllm import upstream_suite
 
-_TESTS = '''
+_TESTS = """
 import pytest
 
 
@@ -43,7 +43,7 @@ class TestGroup:
 @pytest.mark.parametrize("n", [1, 2, "a.b::c"])
 def test_param(n):
     assert n != 2
-'''
+"""
 
 
 def _run(tree: Path, junit: Path) -> dict[str, dict[str, str]]:
