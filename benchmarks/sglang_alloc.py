@@ -23,7 +23,14 @@ Workloads, each one cycle per iteration:
             adapter counts new pages for in Python: SGLang's own count, as upstream);
 ``decode``  32 running requests, 16 decode steps through ``alloc_decode`` (each request
             crosses a page boundary once), then ``free``;
-``token``   ``page_size=1``: ``alloc(64)`` then ``free``.
+``token``   ``page_size=1``: ``alloc(64)`` then ``free``;
+``saturated``  ``page_size=1`` at saturation, one scheduler iteration per cycle: a prefill
+            batch of new requests (64-1,900 tokens, up to 4,096 in all) while room is left,
+            one decode token for each running request, finished requests (16-128 tokens out)
+            kept as cached, and the least recently finished evicted (their ids freed as one
+            tensor, as SGLang's radix cache frees a leaf) whenever an allocation needs room.
+            The pool stays full and its free ids scattered, as under SGLang's serving load;
+            both sides run the same seeded trace.
 
 The stacks are built by ``harness.sglang_kv.build`` (the conformance tests' builder), at
 this pool shape. Numbers are medians over ``--repeats`` timed runs of ``--iters`` cycles,
@@ -43,8 +50,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -127,11 +136,58 @@ def _token_cycle(a: Any) -> None:
     a.free(a.alloc(64))
 
 
+class _Serving:
+    """The ``saturated`` workload's state for one allocator: running requests (their id
+    tensors, tokens decoded, tokens to decode) and finished ones, least recent first."""
+
+    def __init__(self) -> None:
+        self.rng = random.Random(0)
+        self.running: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
+        self.cached: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.next = 0
+
+    def room(self, a: Any, n: int) -> bool:
+        """Evict finished requests until ``n`` tokens are free; whether they are."""
+        while a.available_size() < n and self.cached:
+            a.free(self.cached.popitem(last=False)[1])
+        return bool(a.available_size() >= n)
+
+
+_SERVING: dict[Any, _Serving] = {}
+
+
+def _saturated_cycle(a: Any) -> None:
+    s = _SERVING.setdefault(a, _Serving())
+    rng, running = s.rng, s.running
+    batch: list[int] = []
+    while len(running) + len(batch) < 256:
+        n = rng.randint(64, 1900)
+        if sum(batch) + n > 4096:
+            break
+        batch.append(n)
+    # room for the batch and for every running request's remaining decode tokens
+    if batch and s.room(a, sum(batch) + 128 * (len(running) + len(batch))):
+        ids = a.alloc(sum(batch))
+        for n in batch:
+            running[s.next] = ([ids[:n]], [0, rng.randint(16, 128)])
+            ids = ids[n:]
+            s.next += 1
+    if running and s.room(a, len(running)):
+        ids = a.alloc(len(running))
+        for i, (rid, (parts, count)) in enumerate(list(running.items())):
+            parts.append(ids[i : i + 1])
+            count[0] += 1
+            if count[0] == count[1]:
+                s.cached[rid] = torch.cat(parts)
+                del running[rid]
+
+
 WORKLOADS: dict[str, tuple[int, Callable[[Any], None]]] = {
     "extend": (PAGE, _extend_cycle),
     "extend-wide": (PAGE, _wide_extend_cycle),
     "decode": (PAGE, _decode_cycle),
     "token": (1, _token_cycle),
+    "saturated": (1, _saturated_cycle),
 }
 
 
@@ -177,6 +233,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument(
+        "--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS)
+    )
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -184,7 +243,7 @@ def main() -> None:
     import sglang
 
     torch.set_num_threads(1)  # the scheduler thread's view; no intra-op thread contention
-    rows = [measure(name, ps, cycle, args) for name, (ps, cycle) in WORKLOADS.items()]
+    rows = [measure(name, *WORKLOADS[name], args) for name in args.workloads]
 
     table = Table(
         title=f"SGLang {sglang.__version__} allocator on {DEVICE}, elastic vs upstream: medians of "

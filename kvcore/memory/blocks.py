@@ -67,7 +67,7 @@ _IDLE_MAPPED = frozenset({PageState.RESERVED, PageState.UNMAP_QUEUED, PageState.
 _BY_PAGE_MIN = 8
 # free_tensor() of at least this many ids checks and writes them with tensor operations;
 # fewer cost less as a list (a tensor operation's fixed cost is some dozens of list ids')
-_TENSOR_FREE_MIN = 64
+_TENSOR_FREE_MIN = 512
 
 
 class BlockLedger:
