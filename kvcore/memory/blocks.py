@@ -230,7 +230,8 @@ class BlockLedger:
         ids = torch.sort(block_ids.reshape(-1).to(torch.int64)).values
         first, last = ids[[0, -1]].tolist()
         with self._lock:
-            if first < 0 or last >= self._num_blocks or not self._free_sorted(ids, fence):
+            in_range = first >= 0 and last < self._num_blocks
+            if not in_range or not self._free_sorted(ids, first, last, fence):
                 self._free_each(ids.tolist(), fence)  # raises naming the id
 
     def free_range(self, first: int, count: int, fence: int | None = None) -> None:
@@ -613,19 +614,19 @@ class BlockLedger:
         self._return_shares(ids, ends, fence)
         return True
 
-    def _free_sorted(self, ids: torch.Tensor, fence: int | None) -> bool:
-        """``free_tensor`` of the ascending int64 ids ``ids`` (more than one, all in range):
-        one gather checks that every id is allocated, one comparison of neighbours that none
-        is named twice; then one run goes to ``_free_run``, others are written with one
-        scatter and handed to ``_return_shares`` page by page. ``False`` with nothing
-        changed when an id is not freeable. Caller holds ``_lock``."""
+    def _free_sorted(self, ids: torch.Tensor, first: int, last: int, fence: int | None) -> bool:
+        """``free_tensor`` of the ascending int64 ids ``ids`` (more than one, all in range;
+        ``first`` and ``last`` are its ends, as the caller read them): one gather checks that
+        every id is allocated, one comparison of neighbours that none is named twice; then
+        one run goes to ``_free_run``, others are written with one scatter and handed to
+        ``_return_shares`` page by page. ``False`` with nothing changed when an id is not
+        freeable. Caller holds ``_lock``."""
         states = self._states
         if not bool(states[ids].eq(_ALLOCATED).all()) or bool(ids[1:].eq(ids[:-1]).any()):
             return False
         n = ids.numel()
-        listed: list[int] = ids[[0, -1]].tolist()
-        if listed[1] - listed[0] == n - 1:  # distinct and ascending: one run
-            return self._free_run(listed[0], n, fence)
+        if last - first == n - 1:  # distinct and ascending: one run
+            return self._free_run(first, n, fence)
         states[ids] = _FREE
         _, counts = torch.unique_consecutive(ids // self._bpp, return_counts=True)
         self._return_shares(ids.tolist(), accumulate(counts.tolist()), fence)

@@ -68,9 +68,9 @@ class PendingFrees:
     """Freed block ids on their way from the device to ``release`` (module docstring).
 
     ``release(ids)`` takes distinct block ids as an int64 CPU tensor (the ledger's
-    ``free_tensor``); ``on_device``
-    says whether the freed tensors live on a GPU (else ``add`` releases at once);
-    ``transfer`` starts one copy (tests give their own to hold a copy in flight)."""
+    ``free_tensor``); ``on_device`` says whether the freed tensors live on a GPU (else
+    ``add`` releases at once); ``transfer`` starts one copy (tests give their own to hold
+    a copy in flight)."""
 
     def __init__(
         self,
