@@ -7,9 +7,9 @@ so machine drift falls on every mode alike. In each of ``--repeats`` rounds ever
 round, so every mode gets the same prompts and no round hits another's prefix cache. Each
 client result carries, for its server and run, the CPU seconds of the server's processes by
 name (``/proc``) and the deltas of its Prometheus counters; with ``--py-spy`` one run per
-server is sampled by ``py-spy record``. Device memory is sampled through NVML while the
-servers run (``vllm_servers.MemorySampler``). ``summarize`` gives per rate each mode's
-median over the rounds and its ratio to ``off``.
+server is sampled by ``py-spy record``, each of its processes on its own. Device memory is
+sampled through NVML while the servers run (``vllm_servers.MemorySampler``). ``summarize``
+gives per rate each mode's median over the rounds and its ratio to ``off``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from benchmarks.vllm_servers import MemorySampler, cpu_seconds, delta, stop_all, wait_ready
+from benchmarks.vllm_servers import (
+    MemorySampler,
+    cpu_seconds,
+    delta,
+    procs,
+    stop_all,
+    wait_ready,
+)
 
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 """What every client result must hold (``None`` where the client could not measure it)."""
@@ -49,30 +56,43 @@ Bench = Callable[[ModeServer, str, int], dict[str, Any]]
 
 
 class _PySpy:
-    """``py-spy record`` of every process of one server (raw collapsed stacks in ``path``)
-    from construction to ``stop()``."""
+    """``py-spy record`` of each process of one server's session, one sampler per process
+    (raw collapsed stacks in ``<stem>-<process name>-<pid>.txt`` beside ``stem``), from
+    construction to ``stop()``. One sampler per process: a single ``--subprocesses``
+    sampler of the whole tree missed SGLang's scheduler process in some runs."""
 
-    def __init__(self, server: ModeServer, path: Path, extra: list[str]) -> None:
-        self.path = path
-        self.proc = subprocess.Popen(
-            ["py-spy", "record", "--pid", str(server.proc.pid), "--subprocesses",
-             "--rate", "200", "--format", "raw", "--output", str(path), "--nonblocking",
-             *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        )  # fmt: skip
+    def __init__(self, server: ModeServer, stem: Path, extra: list[str]) -> None:
+        self.spies: list[tuple[Path, subprocess.Popen[bytes]]] = []
+        for pid, name, fields in procs():
+            if int(fields[3]) != server.proc.pid:
+                continue
+            tag = "".join(c if c.isalnum() else "_" for c in name)
+            path = stem.with_name(f"{stem.name}-{tag}-{pid}.txt")
+            proc = subprocess.Popen(
+                ["py-spy", "record", "--pid", str(pid), "--rate", "200", "--format", "raw",
+                 "--output", str(path), "--nonblocking", *extra],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            )  # fmt: skip
+            self.spies.append((path, proc))
         time.sleep(1.0)  # attach before the load starts
 
-    def stop(self) -> str:
-        """Stop sampling; the output file's name, or py-spy's complaint."""
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            _, err = self.proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            _, err = self.proc.communicate()
-        if self.path.exists():
-            return self.path.name
-        return f"py-spy failed ({self.proc.returncode}): {err.decode(errors='replace')[-500:]}"
+    def stop(self) -> list[str]:
+        """Stop sampling; per process the output file's name, or py-spy's complaint."""
+        for _, proc in self.spies:
+            proc.send_signal(signal.SIGINT)
+        got = []
+        for path, proc in self.spies:
+            try:
+                _, err = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            if path.exists():
+                got.append(path.name)
+            else:
+                tail = err.decode(errors="replace")[-300:]
+                got.append(f"{path.name}: py-spy failed ({proc.returncode}): {tail}")
+        return got
 
 
 def run_rounds(
@@ -107,7 +127,7 @@ def run_rounds(
                     spy = None
                     if args.py_spy and r == args.py_spy_round and rate == args.py_spy_rate:
                         spy = _PySpy(
-                            s, args.out.parent / f"pyspy-{name}-{s.mode}.txt",
+                            s, args.out.parent / f"pyspy-{name}-{s.mode}",
                             args.py_spy_args.split(),
                         )  # fmt: skip
                     cpu0, count0 = cpu_seconds(s.proc.pid), s.metrics(counters)
