@@ -7,13 +7,15 @@ so machine drift falls on every mode alike. In each of ``--repeats`` rounds ever
 round, so every mode gets the same prompts and no round hits another's prefix cache. Each
 client result carries, for its server and run, the CPU seconds of the server's processes by
 name (``/proc``) and the deltas of its Prometheus counters; with ``--py-spy`` one run per
-server is sampled by ``py-spy record``, each of its processes on its own. Device memory is
+server is sampled by ``py-spy record``, each of its processes on its own. Each server's
+whole log is kept beside ``--out`` (``<out stem>-<model>-<mode>.log.gz``). Device memory is
 sampled through NVML while the servers run (``vllm_servers.MemorySampler``). ``summarize``
 gives per rate each mode's median over the rounds and its ratio to ``off``.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import signal
 import statistics
@@ -153,6 +155,9 @@ def run_rounds(
         time.sleep(3.0)
         result["memory"] = sampler.close()
         result["logs"] = {s.mode: s.log_path.read_text(errors="replace")[-4000:] for s in servers}
+        for s in servers:  # whole, for the engine's own per-batch lines
+            kept = args.out.with_name(f"{args.out.stem}-{name}-{s.mode}.log.gz")
+            kept.write_bytes(gzip.compress(s.log_path.read_bytes()))
         write(args, results)
 
 

@@ -5,6 +5,7 @@ rounds, the counters and the ratios to ``off``."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import socket
@@ -27,6 +28,9 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 port = int(sys.argv[sys.argv.index("--port") + 1])
 open(f"{sys.argv[sys.argv.index('--port') + 1]}.cmd", "w").write(json.dumps(sys.argv))
 runs = [0]
+
+
+print("serving on", port, flush=True)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -147,3 +151,7 @@ def test_rounds_of_both_modes_with_sglangs_client(tmp_path: Path) -> None:
     assert row["output_throughput_on_ratio"] == pytest.approx(1 / 1.1)
     assert row["median_tpot_ms_on_ratio"] == pytest.approx(1.1)
     assert "on: output_throughput 909.1 (0.909x)" in run.stdout
+    # each server's whole log comes back beside the result
+    for mode, p in (("off", port), ("on", port + 1)):
+        log = gzip.decompress((tmp_path / f"serve-qwen3-0.6b-{mode}.log.gz").read_bytes())
+        assert f"serving on {p}" in log.decode()
