@@ -6,7 +6,8 @@
 # extracts a part and hands each member to `member`; a file the bundle split into pieces
 # (NAME.K-of-N, in different parts, benchmarks/vllm_bundle.py's split_member) is kept under
 # $DEV/pieces and joined and installed once its last piece is here. $DEV/parts lists the
-# parts unpacked so far (`status`).
+# parts unpacked so far (`status`). `pack DIR` folds what a call wrote under DIR (the device
+# tool's $OUT) into one DIR/results.tar: the tool brings back at most 8 files.
 
 shared_member() {  # wheels.tar and models.tar.xz, which every bundle has
   case "$1" in
@@ -50,4 +51,15 @@ unpack() {
 
 status() {
   ls "$DEV/parts" 2>/dev/null || echo "nothing unpacked in $DEV"
+}
+
+pack() {  # fold every file under folder $1 into $1/results.tar (the device tool returns 8)
+  local out=$1 list
+  [ -d "$out" ] || { echo "pack: no folder $out" >&2; return 2; }
+  list=$(mktemp)
+  (cd "$out" && find . -type f ! -path ./results.tar | sort >"$list" &&
+    if [ -s "$list" ]; then tar -rf results.tar -T "$list" && xargs -r rm -f <"$list"; fi &&
+    find . -mindepth 1 -type d -empty -delete)
+  rm -f "$list"
+  echo "packed into $out/results.tar: $(tar -tf "$out/results.tar" | wc -l) files"
 }

@@ -14,7 +14,8 @@
 # command with that site, sgl_kernel's stand-in ops (benchmarks/sglang_compat/standin: its
 # binary cannot run on the image's torch) and this checkout (kvcore, benchmarks) on
 # PYTHONPATH, the hub offline, KVCORE_MODEL_DIR set to the Qwen3-0.6B-shaped model.
-# `status` says which parts are in.
+# `status` says which parts are in. `pack [DIR]`, last in a call: DIR's (default $OUT's)
+# files into one results.tar (the device tool brings back at most 8 files).
 set -euo pipefail
 SGDEV=${SGDEV:-/tmp/sgdev}
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -35,6 +36,7 @@ member() {  # install one bundle member (a file under $tmp)
 case "${1:-}" in
   unpack) shift; for p in "$@"; do unpack "$p"; done ;;
   status) status ;;
+  pack) pack "${2:-${OUT:?pack needs a folder or \$OUT}}" ;;
   run)
     shift
     standin="$repo/benchmarks/sglang_compat/standin"
@@ -48,5 +50,5 @@ case "${1:-}" in
     export SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=${SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND:-python}
     export PATH="$SGDEV/site/bin:$PATH"
     exec "$@" ;;
-  *) sed -n '2,17p' "$0"; exit 2 ;;
+  *) sed -n '2,18p' "$0"; exit 2 ;;
 esac

@@ -14,7 +14,8 @@
 # tree, the parts carry none of it) first on PYTHONPATH and the offline settings vLLM
 # needs there (no hub; no flashinfer, so torch's sampler), KVCORE_MODEL_DIR set to the
 # Qwen3-0.6B-shaped model. `status` says which parts are in. A file the bundle split into
-# pieces (NAME.K-of-N, in different parts) is joined once its last piece is unpacked.
+# pieces (NAME.K-of-N, in different parts) is joined once its last piece is unpacked. `pack
+# [DIR]`, last in a call: DIR's (default $OUT's) files into one results.tar (8 come back).
 set -euo pipefail
 KVDEV=${KVDEV:-/tmp/kvdev}
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -39,6 +40,7 @@ member() {  # install one bundle member (a file under $tmp)
 case "${1:-}" in
   unpack) shift; for p in "$@"; do unpack "$p"; done ;;
   status) status ;;
+  pack) pack "${2:-${OUT:?pack needs a folder or \$OUT}}" ;;
   run)
     shift
     export PYTHONPATH="$KVDEV/site:$repo${PYTHONPATH:+:$PYTHONPATH}"
@@ -47,5 +49,5 @@ case "${1:-}" in
     export KVCORE_MODEL_DIR=${KVCORE_MODEL_DIR:-$KVDEV/models/qwen3-0.6b}
     export PATH="$KVDEV/site/bin:$PATH"
     exec "$@" ;;
-  *) sed -n '2,18p' "$0"; exit 2 ;;
+  *) sed -n '2,19p' "$0"; exit 2 ;;
 esac

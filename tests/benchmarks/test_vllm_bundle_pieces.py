@@ -1,12 +1,14 @@
 """A bundle member larger than a part travels in pieces and is joined on the GPU machine:
 ``vllm_bundle.split_member`` / ``pack_parts`` here, ``vllm_device.sh unpack`` there (run here on
-a tiny bundle, its parts unpacked in reverse order, one call each)."""
+a tiny bundle, its parts unpacked in reverse order, one call each); ``pack`` folds a call's
+output into one tar there."""
 
 from __future__ import annotations
 
 import lzma
 import os
 import subprocess
+import tarfile
 from pathlib import Path
 
 from benchmarks import vllm_bundle
@@ -87,3 +89,31 @@ def test_parts_leave_room_for_the_checkout_a_call_carries_with_them(tmp_path: Pa
     part = vllm_bundle.default_part_mib(carried)
     assert part == vllm_bundle.CALL_MIB - 5 - vllm_bundle.CHECKOUT_MARGIN_MIB
     assert (part << 20) + carried <= vllm_bundle.CALL_MIB << 20
+
+
+def test_pack_folds_a_calls_output_into_one_tar_and_adds_to_it(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (out / "pyspy").mkdir(parents=True)
+    for i in range(10):  # more files than the device tool brings back
+        (out / f"run-{i}.json").write_text(str(i))
+    (out / "pyspy" / "scheduler.txt").write_text("stacks")
+
+    def pack(script: str) -> None:
+        subprocess.run(
+            ["bash", str(ROOT / "benchmarks" / script), "pack"],
+            env={**os.environ, "OUT": str(out)},
+            check=True,
+            capture_output=True,
+        )
+
+    pack("sglang_device.sh")
+    assert [p.name for p in out.iterdir()] == ["results.tar"]
+    (out / "late.log").write_text("late")
+    pack("vllm_device.sh")  # a second pack in the same call appends
+    assert [p.name for p in out.iterdir()] == ["results.tar"]
+    with tarfile.open(out / "results.tar") as tar:
+        names = sorted(tar.getnames())
+        assert tar.extractfile("./pyspy/scheduler.txt").read() == b"stacks"  # type: ignore[union-attr]
+    assert names == sorted(
+        [f"./run-{i}.json" for i in range(10)] + ["./pyspy/scheduler.txt", "./late.log"]
+    )
