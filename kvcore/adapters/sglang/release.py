@@ -33,6 +33,8 @@ from typing import Protocol
 
 import torch
 
+from kvcore.errors import InvalidTransition
+
 __all__ = ["PendingFrees"]
 
 
@@ -120,8 +122,12 @@ class PendingFrees:
     def settle(self, wait: bool = False) -> int:
         """Release every freed tensor whose copy has completed, oldest first, stopping at the
         first still in flight; with ``wait``, wait for all. Ids ``take`` handed out are not
-        released. Returns the ids released."""
+        released. What arrived goes to ``release`` in one call (one sort and one check in the
+        ledger, not one per freed tensor). Returns the ids released. Raises what
+        ``release`` raises for an id it cannot free (a double free: an engine bug), after
+        every other arrived id is released."""
         released = 0
+        arrived: list[torch.Tensor] = []
         queue = self._queue
         while queue:
             freed = queue[0]
@@ -135,5 +141,26 @@ class PendingFrees:
             self.count -= n
             released += n
             if n:
-                self._release(ids)
+                arrived.append(ids)
+        if len(arrived) == 1:
+            self._release(arrived[0])
+        elif arrived:
+            self._release_each_on_failure(arrived)
         return released
+
+    def _release_each_on_failure(self, arrived: list[torch.Tensor]) -> None:
+        """``release`` of the ids of ``arrived`` at once; when that fails (the ledger
+        changes nothing then), tensor by tensor, so that only the bad one stays out, and
+        the first failure is raised."""
+        try:
+            self._release(torch.cat(arrived))
+            return
+        except InvalidTransition as exc:
+            combined = exc
+        first: InvalidTransition | None = None
+        for ids in arrived:
+            try:
+                self._release(ids)
+            except InvalidTransition as each:
+                first = first or each
+        raise first or combined

@@ -208,3 +208,48 @@ def test_on_the_cpu_a_free_reaches_the_ledger_at_once(token: Any) -> None:
     token.free(ids)
     assert token._pending.count == 0
     assert not any(token.ledger.is_allocated(b) for b in ids.tolist())
+
+
+def test_what_arrived_by_an_allocation_reaches_the_ledger_in_one_call(token: Any) -> None:
+    copies = _in_flight(token)
+    calls: list[list[int]] = []
+    release = token._pending._release
+
+    def counted(ids: torch.Tensor) -> None:
+        calls.append(ids.tolist())
+        release(ids)
+
+    token._pending._release = counted
+    parts = [token.alloc(n) for n in (3, 600, 40)]  # each below and above the tensor path
+    for ids in parts:
+        token.free(ids)
+    for copy in copies.started:
+        copy.done = True
+    token.kvcore_step()
+    assert len(calls) == 1
+    assert sorted(calls[0]) == sorted(b for ids in parts for b in ids.tolist())
+    assert not any(token.ledger.is_allocated(b) for ids in parts for b in ids.tolist())
+    assert token._pending.count == 0
+
+
+def test_a_double_free_among_arrivals_frees_the_rest_and_names_the_id(token: Any) -> None:
+    """Fault injection: SGLang frees a request's ids twice. The copies arrive together; the
+    ledger refuses the whole batch, so each freed tensor goes again on its own: every good
+    id is freed and the error names one of the twice-freed ids."""
+    from kvcore.errors import InvalidTransition
+
+    copies = _in_flight(token)
+    ledger = token.ledger
+    twice, other = token.alloc(8), token.alloc(700)
+    token.free(twice)
+    token.free(other)
+    token.free(twice)
+    for copy in copies.started:
+        copy.done = True
+    used = ledger.used()
+    with pytest.raises(InvalidTransition) as err:
+        token.kvcore_step()
+    assert set(err.value.ids) <= set(twice.tolist())
+    assert not any(ledger.is_allocated(b) for b in twice.tolist() + other.tolist())
+    assert ledger.used() == used - 708
+    assert token._pending.count == 0 and not token._pending
