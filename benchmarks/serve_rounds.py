@@ -154,10 +154,12 @@ def run_rounds(
         sampler.phase = "stopped"
         time.sleep(3.0)
         result["memory"] = sampler.close()
-        result["logs"] = {s.mode: s.log_path.read_text(errors="replace")[-4000:] for s in servers}
-        for s in servers:  # whole, for the engine's own per-batch lines
+        result["logs"] = {}
+        for s in servers:  # the tail in the result, the whole log (per-batch lines) beside it
+            log = s.log_path.read_bytes()
+            result["logs"][s.mode] = log.decode(errors="replace")[-4000:]
             kept = args.out.with_name(f"{args.out.stem}-{name}-{s.mode}.log.gz")
-            kept.write_bytes(gzip.compress(s.log_path.read_bytes()))
+            kept.write_bytes(gzip.compress(log))
         write(args, results)
 
 
