@@ -157,7 +157,7 @@ _SERVING: dict[Any, _Serving] = {}
 
 
 def _saturated_cycle(a: Any) -> None:
-    s = _SERVING.setdefault(a, _Serving())
+    s = _SERVING.get(a) or _SERVING.setdefault(a, _Serving())  # built once per allocator
     rng, running = s.rng, s.running
     batch: list[int] = []
     while len(running) + len(batch) < 256:
