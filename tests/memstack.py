@@ -182,10 +182,12 @@ class MemStack:
     clock: FakeClock | None = None
     """The allocator's clock when the test drives it (``background=False``)."""
 
-    def ledger(self, pinned: tuple[int, ...] = ()) -> BlockLedger:
+    def ledger(self, pinned: tuple[int, ...] = (), array_stacks: bool = False) -> BlockLedger:
         """A ``BlockLedger`` over the stack; ``pinned`` blocks are allocated for good (its
-        ``pinned_blocks``, e.g. vLLM's null block)."""
-        return BlockLedger(self.geometry, self.pages, pinned_blocks=pinned)
+        ``pinned_blocks``, e.g. vLLM's null block); ``array_stacks`` as the ledger takes it."""
+        return BlockLedger(
+            self.geometry, self.pages, pinned_blocks=pinned, array_stacks=array_stacks
+        )
 
     def mapped_pages(self) -> set[int]:
         """Pages the mapper has physical memory mapped for."""

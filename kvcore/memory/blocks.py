@@ -18,8 +18,10 @@ can be unmapped; only then does it take fresh pages from the page allocator.
 may evict, those whose eviction empties a whole page come first.
 
 Cost. ``alloc(n)`` and ``free(ids)`` are O(n) plus O(pages touched), with no per-block
-objects: per-page free stacks of ints, a ``bytearray`` of block states, and buckets of
-partly used pages indexed by their free count (a bit mask finds the fullest in O(1)).
+objects: per-page free stacks of ids (lists, or with ``array_stacks`` ``array('q')``s of
+machine int64s, which a tensor is built from or read into with a memory copy, no Python int
+per id), a ``bytearray`` of block states, and buckets of partly used pages indexed by their
+free count (a bit mask finds the fullest in O(1)).
 A page is *held* from the ``acquire`` that brought it in until the ``release`` once its
 last block is freed; the free blocks on held pages are what ``alloc`` hands out first. The
 per-id Python work is bounded by the pages touched, not the ids: ``alloc`` hands out a page
@@ -39,11 +41,13 @@ exercise these paths.
 
 from __future__ import annotations
 
+import ctypes
 import threading
+from array import array
 from bisect import bisect_left
-from collections.abc import Hashable, Iterable, Mapping, Sequence
-from itertools import accumulate
-from typing import TypeVar
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -53,7 +57,13 @@ from kvcore.memory.pages import PageAllocator, PageState
 
 __all__ = ["BlockLedger"]
 
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    _Stack: TypeAlias = list[int] | array[int]  # a page's free ids (see ``array_stacks``)
+
 K = TypeVar("K", bound=Hashable)
+_Out = TypeVar("_Out", list[int], "array[int]")
 
 _FREE = 0
 _ALLOCATED = 1
@@ -78,6 +88,12 @@ class BlockLedger:
     them. Raises ``GeometryError`` when ``pages`` covers fewer pages than ``geometry`` needs,
     ``InvalidTransition`` for a pinned id outside the geometry, ``PoolFailed`` when the
     pinned blocks' pages cannot be mapped. Thread-safe (one lock per call).
+
+    ``array_stacks`` keeps each page's free ids as an ``array('q')`` instead of a list: for
+    a caller that moves ids to and from tensors (SGLang's token allocator), whose
+    ``alloc_split`` and ``free_tensor`` then copy machine ints instead of making a Python int
+    per id; a caller that takes and gives lists (vLLM's block pool) is faster with lists.
+    Either way ``alloc`` returns a list and ``alloc_split`` an array.
     """
 
     def __init__(
@@ -85,6 +101,8 @@ class BlockLedger:
         geometry: KVGeometry,
         pages: PageAllocator,
         pinned_blocks: Iterable[int] = (),
+        *,
+        array_stacks: bool = False,
     ) -> None:
         if pages.num_pages < geometry.num_pages:
             raise GeometryError(
@@ -100,7 +118,10 @@ class BlockLedger:
         self._state = bytearray(nb)
         self._states = torch.frombuffer(self._state, dtype=torch.uint8)  # the same memory
         # free block ids of each page (empty for pages this ledger does not hold)
-        self._stacks: list[list[int]] = [[] for _ in range(num_pages)]
+        self._new_stack: Callable[..., _Stack] = partial(array, "q") if array_stacks else list
+        self._stacks: list[_Stack] = [self._new_stack() for _ in range(num_pages)]
+        # with arrays, every id in order: a run of ids is a slice of it (a memory copy)
+        self._all_ids = array("q", range(nb)) if array_stacks else None
         self._capacity = [len(geometry.blocks_of(p)) for p in range(num_pages)]
         # partly used pages by free count f (1 <= f < capacity); bit f of _nonempty is set
         # while _buckets[f] holds a page
@@ -144,7 +165,9 @@ class BlockLedger:
             self._full_rows[p] = bytes(row)
         self._used = len(pinned)
         for p in held:
-            stack = [b for b in reversed(geometry.blocks_of(p)) if self._state[b] == _FREE]
+            stack = self._new_stack(
+                b for b in reversed(geometry.blocks_of(p)) if self._state[b] == _FREE
+            )
             self._stacks[p] = stack
             self._bucket_of[p] = 0
             self._held_free += len(stack)
@@ -176,12 +199,13 @@ class BlockLedger:
                 return []
             raise ValueError(f"block ledger: cannot allocate {n} blocks")
         with self._lock:
-            return self._alloc(n, None)
+            return self._alloc(n, None, [])
 
-    def alloc_split(self, n: int) -> tuple[list[int], list[tuple[int, int]]] | None:
+    def alloc_split(self, n: int) -> tuple[array[int], list[tuple[int, int]]] | None:
         """``alloc(n)`` in two parts, for a caller that turns ids into a tensor (a run is a
         slice of a table of every block id; SGLang's adapter): the ids taken from partly
-        used pages, as a list in no particular order, and the ids of fresh pages as
+        used pages, as an ``array('q')`` in no particular order (``torch.frombuffer`` reads
+        it without a per-id conversion), and the ids of fresh pages as
         ``(first, count)`` runs, ascending and not adjacent. Together the ``n`` ids
         ``alloc`` would have handed out (same placement, same all-or-nothing, ``None`` and
         ``PoolFailed`` alike). Partly used ids of at most one page's worth that form one
@@ -190,18 +214,18 @@ class BlockLedger:
         them. Fresh pages are never handed over as per-id ints."""
         if n <= 0:
             if n == 0:
-                return [], []
+                return array("q"), []
             raise ValueError(f"block ledger: cannot allocate {n} blocks")
+        ids = array("q")
         with self._lock:
             runs: list[tuple[int, int]] = []
-            ids = self._alloc(n, runs)
-            if ids is None:
+            if self._alloc(n, runs, ids) is None:
                 return None
         if ids and len(ids) <= self._bpp:
             lo = min(ids)
             if max(ids) - lo == len(ids) - 1:  # distinct ids spanning as many values
                 runs.append((lo, len(ids)))
-                ids = []
+                ids = array("q")
         return ids, (_merged(runs) if len(runs) > 1 else runs)
 
     def free(self, block_ids: Sequence[int], fence: int | None = None) -> None:
@@ -219,8 +243,8 @@ class BlockLedger:
         """``free`` of the ids in ``block_ids``, a 1-D integer tensor on the CPU, for a caller
         that holds them as one (SGLang's adapter: the ids the engine freed on the device,
         copied to the host). From ``_TENSOR_FREE_MIN`` ids on they are sorted, checked and
-        written with a few tensor operations over the block states, and per-id Python work
-        is one ``tolist`` of the ids that stay on partly used pages; fewer go to ``free``.
+        written with a few tensor operations over the block states, and copied once into an
+        int64 array (no Python int per id) for the pages' free stacks; fewer go to ``free``.
         Same checks, same all-or-nothing, same ``InvalidTransition`` as ``free``."""
         n = block_ids.numel()
         if n < _TENSOR_FREE_MIN:
@@ -228,11 +252,11 @@ class BlockLedger:
                 self.free(block_ids.tolist(), fence)
             return
         ids = torch.sort(block_ids.reshape(-1).to(torch.int64)).values
-        first, last = ids[[0, -1]].tolist()
+        listed = _int64_array(ids)
         with self._lock:
-            in_range = first >= 0 and last < self._num_blocks
-            if not in_range or not self._free_sorted(ids, first, last, fence):
-                self._free_each(ids.tolist(), fence)  # raises naming the id
+            in_range = listed[0] >= 0 and listed[-1] < self._num_blocks
+            if not in_range or not self._free_sorted(ids, listed, fence):
+                self._free_each(listed, fence)  # raises naming the id
 
     def free_range(self, first: int, count: int, fence: int | None = None) -> None:
         """``free(range(first, first + count), fence)`` without building or checking a list
@@ -437,12 +461,12 @@ class BlockLedger:
             and len(ids) == self._capacity[p] - len(self._stacks[p])
         }
 
-    def _alloc(self, n: int, runs: list[tuple[int, int]] | None) -> list[int] | None:
-        """``alloc(n)`` (``n > 0``) under ``_lock``: the ids taken from partly used pages,
-        then, when ``runs`` is ``None``, those of fresh pages; else the fresh pages' ids go
-        to ``runs`` as ``(first, count)`` ranges. ``None`` on a physical miss."""
+    def _alloc(self, n: int, runs: list[tuple[int, int]] | None, out: _Out) -> _Out | None:
+        """``alloc(n)`` (``n > 0``) under ``_lock``: appends to ``out`` (returned) the ids
+        taken from partly used pages, then, when ``runs`` is ``None``, those of fresh pages;
+        else the fresh pages' ids go to ``runs`` as ``(first, count)`` ranges. ``None`` on a
+        physical miss, with ``out`` unchanged."""
         held_free = self._held_free
-        out: list[int] = []
         if n <= held_free:  # the partly used pages suffice: no page-allocator call
             self._take_partly_used(out, n)
             self._held_free = held_free - n
@@ -479,7 +503,7 @@ class BlockLedger:
             covered += sum(capacity[p] for p in more)
         return got
 
-    def _take_partly_used(self, out: list[int], n: int) -> int:
+    def _take_partly_used(self, out: list[int] | array[int], n: int) -> int:
         """Append up to ``n`` free blocks of partly used pages to ``out``, fullest page
         first; returns how many are still wanted. A page taken whole costs one slice write,
         whatever its size; only the last page, taken in part, is written id by id."""
@@ -499,8 +523,8 @@ class BlockLedger:
                 self._nonempty = mask & ~(1 << f)
             stack = stacks[p]
             if f <= n:  # take the whole page: every block on it is now allocated
-                out += stack
-                stacks[p] = []
+                out.extend(stack)
+                stacks[p] = self._new_stack()
                 bucket_of[p] = 0
                 row = full_rows.get(p, full_row)
                 first = p * bpp
@@ -512,13 +536,17 @@ class BlockLedger:
                 del stack[keep:]
                 for b in got:
                     state[b] = _ALLOCATED
-                out += got
+                out.extend(got)
                 self._bucket_add(p, keep)
                 n = 0
         return n
 
     def _take_fresh(
-        self, out: list[int], n: int, fresh: list[int], runs: list[tuple[int, int]] | None
+        self,
+        out: list[int] | array[int],
+        n: int,
+        fresh: list[int],
+        runs: list[tuple[int, int]] | None,
     ) -> None:
         """Append ``n`` blocks of the ``fresh`` pages (in their order) to ``out`` (to
         ``runs`` as disjoint ``(first, count)`` ranges in that order when given; the short
@@ -539,13 +567,13 @@ class BlockLedger:
             i += 1
             if n < cap:  # only part of page p: its lowest blocks now, the others on its stack
                 if runs is None:
-                    out += range(start, start + n)
+                    out.extend(range(start, start + n))
                 elif runs and sum(runs[-1]) == start:  # continues the run before it
                     runs[-1] = (runs[-1][0], runs[-1][1] + n)
                 else:
                     runs.append((start, n))
                 state[start : start + n] = _ALLOCATED_BYTE * n
-                self._stacks[p] = list(range(start + cap - 1, start + n - 1, -1))
+                self._stacks[p] = self._new_stack(self._id_run(start + n, start + cap)[::-1])
                 self._held_free += cap - n
                 self._bucket_add(p, cap - n)
                 break
@@ -562,12 +590,20 @@ class BlockLedger:
                 n -= cap
                 i += 1
             if runs is None:
-                out += range(start, end)
+                out.extend(range(start, end))
             else:
                 runs.append((start, end - start))
             state[start:end] = _ALLOCATED_BYTE * (end - start)
         if i < count:
             self._pages.release(fresh[i:])
+
+    def _id_run(self, lo: int, hi: int) -> Sequence[int]:
+        """The ids ``lo .. hi-1`` as a stack extends fastest: a slice of ``_all_ids`` with
+        array stacks (``array.extend`` of a ``range`` makes a Python int per id), else a
+        ``range``."""
+        if self._all_ids is None:
+            return range(lo, hi)
+        return self._all_ids[lo:hi]
 
     def _free_by_page(self, block_ids: Sequence[int], fence: int | None) -> bool:
         """``free`` for many ids at once, page by page: the ids are sorted, each page's share
@@ -614,43 +650,65 @@ class BlockLedger:
         self._return_shares(ids, ends, fence)
         return True
 
-    def _free_sorted(self, ids: torch.Tensor, first: int, last: int, fence: int | None) -> bool:
-        """``free_tensor`` of the ascending int64 ids ``ids`` (more than one, all in range;
-        ``first`` and ``last`` are its ends, as the caller read them): one gather checks that
-        every id is allocated, one comparison of neighbours that none is named twice; then
-        one run goes to ``_free_run``, others are written with one scatter and handed to
-        ``_return_shares`` page by page. ``False`` with nothing changed when an id is not
-        freeable. Caller holds ``_lock``."""
+    def _free_sorted(self, ids: torch.Tensor, listed: array[int], fence: int | None) -> bool:
+        """``free_tensor`` of the ascending int64 ids ``ids`` (more than one, all in range),
+        ``listed`` the same ids as an array: ids spanning as many values as they are many
+        are one run (distinct, as they are sorted) and go to ``_free_run``; else one gather
+        checks that every id is allocated, one comparison of neighbours that none is named
+        twice, one scatter writes them, and ``_return_shares`` takes them page by page (each
+        page's share found by bisection of ``listed``). ``False`` with nothing changed when
+        an id is not freeable. Caller holds ``_lock``."""
+        n = len(listed)
+        first, last = listed[0], listed[-1]
+        if last - first == n - 1:
+            return self._free_run(first, n, fence)
         states = self._states
         if not bool(states[ids].eq(_ALLOCATED).all()) or bool(ids[1:].eq(ids[:-1]).any()):
             return False
-        n = ids.numel()
-        if last - first == n - 1:  # distinct and ascending: one run
-            return self._free_run(first, n, fence)
         states[ids] = _FREE
-        _, counts = torch.unique_consecutive(ids // self._bpp, return_counts=True)
-        self._return_shares(ids.tolist(), accumulate(counts.tolist()), fence)
+        self._return_shares(listed, _page_ends(listed, self._bpp), fence)
         return True
 
-    def _return_shares(self, ids: list[int], ends: Iterable[int], fence: int | None) -> None:
+    def _return_shares(self, ids: Sequence[int], ends: Iterable[int], fence: int | None) -> None:
         """The ascending ids ``ids`` were just freed (states written): page by page (each
         page's share is ``ids[previous end : end]``, ``ends`` ascending) push them on the
         page's free stack and rebucket it, or release it when it is now empty; count them
         off ``_used``. Caller holds ``_lock``."""
         bpp = self._bpp
         stacks = self._stacks
+        buckets = self._buckets
+        bucket_of = self._bucket_of
+        capacity = self._capacity
+        nonempty = self._nonempty
         held_free = self._held_free + len(ids)
         emptied: list[int] = []
         i = 0
+        # ``_rebucket`` and ``_bucket_add`` inline: this loop runs for every page a free
+        # touches, and SGLang's token frees touch dozens
         for j in ends:
             p = ids[i] // bpp
-            now = len(stacks[p]) + j - i
-            if self._rebucket(p, now):
+            stack = stacks[p]
+            now = len(stack) + j - i
+            was = bucket_of[p]  # held: 0 (full) or its free count
+            if was:
+                bucket = buckets[was]
+                del bucket[p]
+                if not bucket:
+                    nonempty &= ~(1 << was)
+            if now == capacity[p]:
+                stacks[p] = self._new_stack()
+                bucket_of[p] = _NOT_HELD
                 held_free -= now
                 emptied.append(p)
             else:
-                stacks[p] += ids[i:j]
+                stack.extend(ids[i:j])
+                bucket = buckets[now]
+                if not bucket:
+                    nonempty |= 1 << now
+                bucket[p] = None
+                bucket_of[p] = now
             i = j
+        self._nonempty = nonempty
         self._used -= len(ids)
         self._held_free = held_free
         if emptied:
@@ -722,7 +780,7 @@ class BlockLedger:
         if self._rebucket(page, now):
             self._held_free -= now
             return True
-        self._stacks[page] += range(lo, hi)
+        self._stacks[page].extend(self._id_run(lo, hi))
         return False
 
     def _free_each(self, block_ids: Sequence[int], fence: int | None) -> None:
@@ -734,7 +792,7 @@ class BlockLedger:
         bpp = self._bpp
         touched: list[int] = []
         last = -1
-        stack: list[int] = []
+        stack: _Stack = []
         for i, b in enumerate(block_ids):
             if not 0 <= b < nb or state[b] != _ALLOCATED:
                 self._undo_free(block_ids, i)
@@ -778,7 +836,7 @@ class BlockLedger:
             if not bucket:
                 self._nonempty &= ~(1 << was)
         if free == self._capacity[page]:
-            self._stacks[page] = []
+            self._stacks[page] = self._new_stack()
             self._bucket_of[page] = _NOT_HELD
             return True
         self._bucket_add(page, free)
@@ -805,6 +863,31 @@ class BlockLedger:
         if self._state[block] == _PINNED:
             return "it is pinned (one of pinned_blocks)"
         return "not allocated (a double free, or named twice in one call)"
+
+
+def _page_ends(ids: array[int], bpp: int) -> list[int]:
+    """The ends of the pages' shares of the ascending ``ids`` (``ids[previous end : end]``
+    sit on one page of ``bpp`` blocks), found by bisection: O(pages touched), not O(ids)."""
+    ends: list[int] = []
+    n = len(ids)
+    last = ids[-1]
+    i = 0
+    while i < n:
+        top = (ids[i] // bpp + 1) * bpp  # the next page's first block
+        i = n if last < top else bisect_left(ids, top, i)
+        ends.append(i)
+    return ends
+
+
+def _int64_array(ids: torch.Tensor) -> array[int]:
+    """The 1-D int64 tensor ``ids`` as an ``array('q')``: for a contiguous CPU tensor one
+    copy of its bytes (``tolist`` would make a Python int per id, some ten times the cost),
+    for any other through ``tolist``."""
+    if not ids.is_cpu or ids.dtype != torch.int64 or not ids.is_contiguous():
+        return array("q", ids.tolist())
+    out = array("q")
+    out.frombytes(ctypes.string_at(ids.data_ptr(), ids.numel() * 8))
+    return out
 
 
 def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:

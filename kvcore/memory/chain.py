@@ -63,13 +63,16 @@ GateOpener = Callable[["VmmBackend | None", KVGeometry], "MemoryGate"]
 """Opens the chain's gate, given its backend (``None`` over a given mapper) and geometry."""
 
 
-def block_ledger(pinned_blocks: Iterable[int] = (0,)) -> LedgerFactory:
+def block_ledger(
+    pinned_blocks: Iterable[int] = (0,), *, array_stacks: bool = False
+) -> LedgerFactory:
     """A plain ``BlockLedger`` with ``pinned_blocks`` taken for good (default block 0, the
-    engines' null / padding block, whose page then stays backed)."""
+    engines' null / padding block, whose page then stays backed); ``array_stacks`` as
+    ``BlockLedger`` takes it (for a caller that moves ids through tensors)."""
     pinned = tuple(pinned_blocks)
 
     def make(geometry: KVGeometry, pages: PageAllocator) -> BlockLedger:
-        return BlockLedger(geometry, pages, pinned_blocks=pinned)
+        return BlockLedger(geometry, pages, pinned_blocks=pinned, array_stacks=array_stacks)
 
     return make
 

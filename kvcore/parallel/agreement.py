@@ -61,6 +61,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from kvcore.errors import AgreementError
 
 if TYPE_CHECKING:
+    from array import array
+
     import torch
 
     from kvcore.memory.blocks import BlockLedger
@@ -279,7 +281,7 @@ class RoomLedger:
         self._ledger.free(block_ids, fence)
         self.room.freed(len(block_ids), self.index)
 
-    def alloc_split(self, n: int) -> tuple[list[int], list[tuple[int, int]]] | None:
+    def alloc_split(self, n: int) -> tuple[array[int], list[tuple[int, int]]] | None:
         """``BlockLedger.alloc_split`` on this rank only (the owner agrees the decision)."""
         return self._ledger.alloc_split(n)
 
@@ -349,13 +351,13 @@ class AgreedLedger(RoomLedger):
             return self._ledger.alloc(n)
         return self.room.decide(lambda: self._ledger.alloc(n), self._ledger.free)
 
-    def alloc_split(self, n: int) -> tuple[list[int], list[tuple[int, int]]] | None:
+    def alloc_split(self, n: int) -> tuple[array[int], list[tuple[int, int]]] | None:
         """``BlockLedger.alloc_split`` agreed by every rank, as ``alloc`` (a collective)."""
         if n <= 0:
             return self._ledger.alloc_split(n)
         return self.room.decide(lambda: self._ledger.alloc_split(n), self._undo_split)
 
-    def _undo_split(self, got: tuple[list[int], list[tuple[int, int]]]) -> None:
+    def _undo_split(self, got: tuple[array[int], list[tuple[int, int]]]) -> None:
         """Give back what ``alloc_split`` allocated."""
         ids, runs = got
         if ids:

@@ -397,6 +397,12 @@ def expand(runs: list[tuple[int, int]]) -> list[int]:
     return [b for first, count in runs for b in range(first, first + count)]
 
 
+def split_listed(ledger: BlockLedger, n: int) -> tuple[list[int], list[tuple[int, int]]] | None:
+    """``ledger.alloc_split(n)`` with its listed ids as a list, to compare."""
+    got = ledger.alloc_split(n)
+    return None if got is None else (list(got[0]), got[1])
+
+
 def runs_of(ids: list[int]) -> list[tuple[int, int]]:
     """Distinct ``ids`` as ascending ``(first, count)`` runs."""
     runs: list[tuple[int, int]] = []
@@ -408,7 +414,8 @@ def runs_of(ids: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def test_alloc_split_hands_out_the_blocks_alloc_would(backend: str) -> None:
+@pytest.mark.parametrize("array_stacks", [False, True], ids=["lists", "arrays"])
+def test_alloc_split_hands_out_the_blocks_alloc_would(backend: str, array_stacks: bool) -> None:
     """Twin ledgers driven alike: ``alloc_split`` names the same blocks as ``alloc`` (fresh
     pages as whole runs, ascending and not adjacent; partly used pages' free blocks as a
     list, or joined to the runs when they are one range); ``free_runs`` in any order frees
@@ -417,13 +424,14 @@ def test_alloc_split_hands_out_the_blocks_alloc_would(backend: str) -> None:
         build_stack(backend, num_blocks=32, blocks_per_page=BPP, background=False) for _ in range(2)
     ]
     try:
-        plain, by_split = (s.ledger(pinned=(0,)) for s in stacks)
+        plain, by_split = (s.ledger(pinned=(0,), array_stacks=array_stacks) for s in stacks)
         for n, victims in [(13, [3, 4, 9, 12]), (6, [1, 2, 5, 6, 7, 8]), (9, []), (5, [])]:
             ids = plain.alloc(n)
             got = by_split.alloc_split(n)
             assert ids is not None and got is not None
             listed, runs = got
-            assert sorted(ids) == sorted(listed + expand(runs)) and len(ids) == n
+            assert listed.typecode == "q"  # int64s, read by torch.frombuffer as they are
+            assert sorted(ids) == sorted([*listed, *expand(runs)]) and len(ids) == n
             assert all(a + k < b for (a, k), (b, _) in pairwise(runs))
             plain.free(victims)
             by_split.free_runs(runs_of(victims)[::-1])
@@ -431,7 +439,7 @@ def test_alloc_split_hands_out_the_blocks_alloc_would(backend: str) -> None:
                 by_split.is_allocated(b) for b in range(32)
             ]
             assert stacks[0].pages.stats().in_use == stacks[1].pages.stats().in_use
-        assert by_split.alloc_split(0) == ([], []) and by_split.alloc_split(32) is None  # a miss
+        assert split_listed(by_split, 0) == ([], []) and by_split.alloc_split(32) is None  # a miss
         assert by_split.used() == plain.used()
         with pytest.raises(ValueError):
             by_split.alloc_split(-1)
@@ -442,17 +450,17 @@ def test_alloc_split_hands_out_the_blocks_alloc_would(backend: str) -> None:
 
 def test_alloc_split_lists_scattered_ids_and_joins_a_range_to_the_runs(stack: MemStack) -> None:
     ledger = stack.ledger(pinned=(0,))
-    assert ledger.alloc_split(15) == ([], [(1, 15)])  # the rest of page 0 and three pages
+    assert split_listed(ledger, 15) == ([], [(1, 15)])  # the rest of page 0 and three pages
     ledger.free([2, 5, 7, 13])  # from pages 0, 1 and 3
     listed, runs = ledger.alloc_split(4 + BPP)  # four scattered ids, then a fresh page
     assert sorted(listed) == [2, 5, 7, 13] and runs == [(16, BPP)]
     ledger.free(list(range(17, 16 + BPP)))  # page 4 keeps 16: its upper blocks are free
-    assert ledger.alloc_split(BPP - 1) == ([], [(17, BPP - 1)])  # one range: a run
+    assert split_listed(ledger, BPP - 1) == ([], [(17, BPP - 1)])  # one range: a run
 
 
 def test_free_runs_is_all_or_nothing_and_names_the_id(stack: MemStack) -> None:
     ledger = stack.ledger(pinned=(0,))
-    assert ledger.alloc_split(15) == ([], [(1, 15)])  # the rest of page 0, three fresh pages
+    assert split_listed(ledger, 15) == ([], [(1, 15)])  # the rest of page 0, three fresh pages
     ledger.free_runs([(6, 1)])
     cases = [
         ([(1, 3), (5, 3)], "block 6: not allocated"),  # a freed id inside a run
@@ -580,7 +588,8 @@ def test_blocks_in_use_stay_mapped_and_keep_their_data(
         stack.close()
 
 
-def test_free_tensor_frees_what_free_does_and_refuses_what_it_refuses() -> None:
+@pytest.mark.parametrize("array_stacks", [False, True], ids=["lists", "arrays"])
+def test_free_tensor_frees_what_free_does_and_refuses_what_it_refuses(array_stacks: bool) -> None:
     """Twin ledgers, one freed by lists, one by tensors of the same ids (below and above
     ``free_tensor``'s threshold, scattered over pages, one run): the same blocks, the same
     pages released; a bad id among many raises naming it, with nothing changed."""
@@ -590,7 +599,7 @@ def test_free_tensor_frees_what_free_does_and_refuses_what_it_refuses() -> None:
     stacks = [build_stack("host", num_blocks=n, blocks_per_page=BPP, background=False)]
     stacks.append(build_stack("host", num_blocks=n, blocks_per_page=BPP, background=False))
     try:
-        by_list, by_tensor = (s.ledger(pinned=(0,)) for s in stacks)
+        by_list, by_tensor = (s.ledger(pinned=(0,), array_stacks=array_stacks) for s in stacks)
         for ledger in (by_list, by_tensor):
             assert ledger.alloc(n - 1) is not None
         rnd = random.Random(7)
@@ -641,17 +650,18 @@ BIG_OPS = st.lists(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=BIG_OPS, bpp=st.sampled_from([4, 8]), short=st.booleans())
+@given(ops=BIG_OPS, bpp=st.sampled_from([4, 8]), short=st.booleans(), arrays=st.booleans())
 # the short last page handed out before a lower fresh page: runs must still come ascending
 @example(
     ops=[("alloc", 23, random.Random(0)), ("alloc", 23, random.Random(0)),
          ("alloc-split", 3, random.Random(0))],
     bpp=4,
     short=True,
+    arrays=True,
 )  # fmt: skip
 @patch("kvcore.memory.blocks._TENSOR_FREE_MIN", 2)
 def test_large_alloc_and_free_keep_placement_checks_and_pages_exact(
-    ops: list[tuple[str, int, random.Random]], bpp: int, short: bool
+    ops: list[tuple[str, int, random.Random]], bpp: int, short: bool, arrays: bool
 ) -> None:
     """Against a model (the set of allocated ids): alloc(n) of many ids (as a list, or as a
     list and ascending, non-adjacent runs) fills partly used pages before fresh ones,
@@ -660,11 +670,12 @@ def test_large_alloc_and_free_keep_placement_checks_and_pages_exact(
     anywhere in a large free (double, never allocated, pinned, out of range, named twice;
     as ids, as runs or as a tensor) raises naming it with nothing changed. Pinned block 0
     and a short last page are in play. ``free_tensor``'s tensor path is taken from 2 ids on
-    here (its threshold lowered), so these small frees exercise it."""
+    here (its threshold lowered), so these small frees exercise it; the pages' free ids are
+    kept as lists or as arrays (``array_stacks``)."""
     num_blocks = 12 * bpp - (bpp // 2 if short else 0)
     stack = build_stack("host", num_blocks=num_blocks, blocks_per_page=bpp, background=False)
     try:
-        ledger = stack.ledger(pinned=(0,))
+        ledger = stack.ledger(pinned=(0,), array_stacks=arrays)
         geometry = stack.geometry
         allocated: set[int] = set()
 
@@ -679,7 +690,7 @@ def test_large_alloc_and_free_keep_placement_checks_and_pages_exact(
                     got = ledger.alloc(n)
                 else:
                     split = ledger.alloc_split(n)
-                    got = None if split is None else split[0] + expand(split[1])
+                    got = None if split is None else [*split[0], *expand(split[1])]
                     if split is not None:
                         assert all(k > 0 for _, k in split[1])
                         assert all(a + k < b for (a, k), (b, _) in pairwise(split[1]))

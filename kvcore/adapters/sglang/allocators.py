@@ -100,14 +100,14 @@ class _ElasticMixin:
             self.ledger.geometry.num_blocks, dtype=torch.int64, device=self.device
         )
 
-    def _as_tensor(self, ids: list[int]) -> torch.Tensor:
-        """The ledger's id list as an int64 tensor on the allocator's device (through an
-        ``array`` buffer, which is cheaper than ``torch.tensor(list)`` on the allocation
-        path). To a GPU through pinned memory, without waiting: a copy from pageable memory
-        would wait for the work queued on the stream (the overlapped batch)."""
+    def _as_tensor(self, ids: array[int]) -> torch.Tensor:
+        """The ledger's ids (``array('q')``, as ``BlockLedger.alloc_split`` lists them) as an
+        int64 tensor on the allocator's device: the array's memory as it is, no per-id
+        conversion. To a GPU through pinned memory, without waiting: a copy from pageable
+        memory would wait for the work queued on the stream (the overlapped batch)."""
         if not ids:
             return self._empty
-        t = torch.frombuffer(array("q", ids), dtype=torch.int64)
+        t = torch.frombuffer(ids, dtype=torch.int64)
         if self._on_cpu:
             return t
         if self._pinned:
@@ -135,8 +135,9 @@ class _ElasticMixin:
         at ``page_size == 1``, the page tensor SGLang's index kernels read otherwise), or
         ``None`` on a miss. The ledger hands fresh pages over as runs
         (``BlockLedger.alloc_split``): one run is a view of ``_block_ids`` (no per-id work;
-        on a GPU no host-to-device copy), a few on a GPU are concatenated on the device;
-        ids from partly used pages, or many runs, are copied from a list. A view is only
+        on a GPU no host-to-device copy), a few are concatenated views; ids from partly used
+        pages come as an int64 array, copied as it is (and joined to the runs' views), as
+        do many runs. A view is only
         read, as upstream's token ``alloc`` hands out a view of its free list. Frees whose
         copies from the device have arrived reach the ledger first; what the ledger cannot
         give is taken from the frees still in flight, on the device and without waiting
@@ -161,14 +162,15 @@ class _ElasticMixin:
         if got is None:
             return None
         ids, runs = got
-        if not ids:
-            if len(runs) == 1:
-                first, count = runs[0]
-                return self._block_ids[first : first + count]
-            if not self._on_cpu and 1 < len(runs) <= _RUNS_AS_VIEWS:
-                return torch.cat([self._block_ids[a : a + k] for a, k in runs])
+        if not runs:
+            return self._as_tensor(ids)
+        if len(runs) <= _RUNS_AS_VIEWS:
+            parts = [self._block_ids[a : a + k] for a, k in runs]
+            if ids:
+                parts.insert(0, self._as_tensor(ids))
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
         for first, count in runs:
-            ids += range(first, first + count)
+            ids.extend(range(first, first + count))
         return self._as_tensor(ids)
 
     def _free_all(self) -> None:

@@ -102,7 +102,8 @@ class ElasticKVManager:
             ),
             owns_backend=backend is None,
             open_gate=gate_of,
-            ledger=block_ledger((0,)),
+            # the allocators move ids through tensors (alloc_split, free_tensor)
+            ledger=block_ledger((0,), array_stacks=True),
             sanity=config.sanity,
             reserve_min=config.reserve_min,
             reserve_max=config.reserve_max,

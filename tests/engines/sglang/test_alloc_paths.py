@@ -3,14 +3,16 @@
 ``alloc_extend`` / ``alloc_decode`` count a batch's new pages themselves (Python ints from the
 CPU lengths for small batches, SGLang's ``get_num_new_pages`` above that): the count must be
 SGLang's exactly, on both paths. The ledger hands fresh blocks over as runs and the free
-blocks of partly used pages as a list (``BlockLedger.alloc_split``), which reach SGLang's index
-kernel as a view of the allocator's id table (one run; on a GPU no host-to-device copy), a
-concatenation of views (a few) or a copy (a list, or many runs): the tokens laid out must be
-the ledger's blocks on every path, and a failing kernel must give every block back.
+blocks of partly used pages as an int64 array (``BlockLedger.alloc_split``), which reach
+SGLang's index kernel as a view of the allocator's id table (one run; on a GPU no
+host-to-device copy), a concatenation of views (a few runs, the array's copy first) or a copy
+(the array alone, or many runs): the tokens laid out must be the ledger's blocks on every
+path, and a failing kernel must give every block back.
 """
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import pytest
@@ -52,9 +54,10 @@ def test_new_page_counts_are_sglangs(batch: list[tuple[int, int]], page_size: in
 def test_fresh_pages_are_views_of_the_id_table_or_copies(
     make: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One run of blocks is a view of the id table, a few runs on a GPU a concatenation of
-    views; scattered free blocks of partly used pages, or many runs, a copy. Always exactly
-    the blocks the ledger allocated."""
+    """One run of blocks is a view of the id table, a few runs a concatenation of views
+    (after the copy of scattered free blocks of partly used pages, when there are some);
+    those scattered blocks alone, or many runs, a copy. Always exactly the blocks the
+    ledger allocated, in the ledger's order."""
     a = make("on", size=364 * 16, page_size=16).allocator
     ledger = a.ledger
     table = a._block_ids.untyped_storage().data_ptr()
@@ -77,10 +80,11 @@ def test_fresh_pages_are_views_of_the_id_table_or_copies(
         (([], [(3, 2), (10, 3)]), [3, 4, 10, 11, 12]),
         (([], [(2 * i + 1, 1) for i in range(9)]), [2 * i + 1 for i in range(9)]),
         (([7, 5], [(10, 2)]), [7, 5, 10, 11]),
+        (([7, 5], [(2 * i + 20, 1) for i in range(9)]), [7, 5] + [2 * i + 20 for i in range(9)]),
         (([], []), []),
     ]:
         monkeypatch.setattr(
-            ledger, "alloc_split", lambda k, listed=listed, runs=runs: (list(listed), runs)
+            ledger, "alloc_split", lambda k, listed=listed, runs=runs: (array("q", listed), runs)
         )
         got = a._fresh_ids(len(want))
         assert got is not None and got.tolist() == want
