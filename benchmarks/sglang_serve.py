@@ -51,8 +51,17 @@ COUNTERS = (
     "sglang:cached_tokens_total",
     "sglang:prompt_tokens_total",
     "sglang:generation_tokens_total",
+    "sglang:evicted_tokens_total",
+    "sglang:cuda_graph_passes_total{mode}",
+    "sglang:forward_execution_seconds_total{category}",
+    "sglang:scheduler_stage_seconds_total{category}",
+    "sglang:scheduler_idle_seconds_total",
+    "sglang:scheduler_process_cpu_seconds_total",
 )
-"""Prometheus counters of the server whose change over each run is recorded."""
+"""Prometheus counters of the server whose change over each run is recorded: tokens,
+retractions and evictions; forward passes by kind (``cuda_graph_passes_total``: one per
+prefill and per decode batch, so two modes' batch counts compare); and SGLang's own account
+of the scheduler's time by stage, idle and in the process's CPU."""
 GiB = 1 << 30
 
 

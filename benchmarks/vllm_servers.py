@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -75,15 +76,27 @@ def delta(after: Mapping[str, float], before: Mapping[str, float]) -> dict[str, 
 
 
 def parse_metrics(text: str, names: Sequence[str]) -> dict[str, float]:
-    """The Prometheus samples of ``names`` in ``text`` (``/metrics``), summed over labels."""
+    """The Prometheus samples of ``names`` in ``text`` (``/metrics``), summed over labels.
+    A name written ``metric{label}`` keeps ``label`` apart: one key per value, written as
+    Prometheus does (``metric{label="value"}``), each summed over the other labels."""
+    split: dict[str, str | None] = {}
+    for spec in names:
+        base, _, label = spec.partition("{")
+        split[base] = label.rstrip("}") or None
     got: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         name = line.split(" ", 1)[0].split("{", 1)[0]
-        if name in names:
-            with contextlib.suppress(ValueError, IndexError):
-                got[name] = got.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        if name not in split:
+            continue
+        key = name
+        label = split[name]
+        if label is not None:
+            value = re.search(rf'[{{,]{re.escape(label)}="([^"]*)"', line)
+            key = f'{name}{{{label}="{value.group(1) if value else ""}"}}'
+        with contextlib.suppress(ValueError, IndexError):
+            got[key] = got.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return got
 
 

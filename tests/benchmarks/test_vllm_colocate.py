@@ -347,6 +347,25 @@ def test_parse_metrics_sums_labels_and_skips_comments() -> None:
                    "vllm:num_requests_running": 7.0}  # fmt: skip
 
 
+def test_parse_metrics_keeps_a_named_label_apart() -> None:
+    """``metric{label}``: one key per value of ``label``, summed over the other labels (a
+    sample without the label counts under an empty value)."""
+    text = (
+        'sglang:cuda_graph_passes_total{model_name="m",mode="decode_cuda_graph"} 40.0\n'
+        'sglang:cuda_graph_passes_total{model_name="n",mode="decode_cuda_graph"} 2.0\n'
+        'sglang:cuda_graph_passes_total{mode="prefill_none",model_name="m"} 7.0\n'
+        'sglang:cuda_graph_passes_total{model_name="m"} 1.0\n'
+        'sglang:other_mode_total{mode="x"} 9.0\n'
+    )
+    got = parse_metrics(text, ["sglang:cuda_graph_passes_total{mode}", "sglang:other_mode_total"])
+    assert got == {
+        'sglang:cuda_graph_passes_total{mode="decode_cuda_graph"}': 42.0,
+        'sglang:cuda_graph_passes_total{mode="prefill_none"}': 7.0,
+        'sglang:cuda_graph_passes_total{mode=""}': 1.0,
+        "sglang:other_mode_total": 9.0,
+    }
+
+
 _RUN_LOG = (
     "INFO  Started server process — ready\n"
     "Traceback (most recent call last):\n"
