@@ -41,7 +41,6 @@ exercise these paths.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from array import array
 from bisect import bisect_left
@@ -49,6 +48,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, TypeVar
 
+import numpy as np
 import torch
 
 from kvcore.errors import GeometryError, InvalidTransition, PoolFailed
@@ -116,7 +116,7 @@ class BlockLedger:
         self._num_blocks = nb = geometry.num_blocks
         num_pages = geometry.num_pages
         self._state = bytearray(nb)
-        self._states = torch.frombuffer(self._state, dtype=torch.uint8)  # the same memory
+        self._states = np.frombuffer(self._state, dtype=np.uint8)  # the same memory
         # free block ids of each page (empty for pages this ledger does not hold)
         self._new_stack: Callable[..., _Stack] = partial(array, "q") if array_stacks else list
         self._stacks: list[_Stack] = [self._new_stack() for _ in range(num_pages)]
@@ -243,16 +243,18 @@ class BlockLedger:
         """``free`` of the ids in ``block_ids``, a 1-D integer tensor on the CPU, for a caller
         that holds them as one (SGLang's adapter: the ids the engine freed on the device,
         copied to the host). From ``_TENSOR_FREE_MIN`` ids on they are sorted, checked and
-        written with a few tensor operations over the block states, and copied once into an
-        int64 array (no Python int per id) for the pages' free stacks; fewer go to ``free``.
-        Same checks, same all-or-nothing, same ``InvalidTransition`` as ``free``."""
+        written with a few numpy operations over the block states (a numpy operation's fixed
+        cost is a fraction of a tensor operation's), and copied once into an int64 array (no
+        Python int per id) for the pages' free stacks; fewer go to ``free``. Same checks,
+        same all-or-nothing, same ``InvalidTransition`` as ``free``."""
         n = block_ids.numel()
         if n < _TENSOR_FREE_MIN:
             if n:
                 self.free(block_ids.tolist(), fence)
             return
-        ids = torch.sort(block_ids.reshape(-1).to(torch.int64)).values
-        listed = _int64_array(ids)
+        ids = torch.sort(block_ids.reshape(-1).to("cpu", torch.int64)).values.numpy()
+        listed = array("q")
+        listed.frombytes(ids.tobytes())
         with self._lock:
             in_range = listed[0] >= 0 and listed[-1] < self._num_blocks
             if not in_range or not self._free_sorted(ids, listed, fence):
@@ -650,23 +652,26 @@ class BlockLedger:
         self._return_shares(ids, ends, fence)
         return True
 
-    def _free_sorted(self, ids: torch.Tensor, listed: array[int], fence: int | None) -> bool:
+    def _free_sorted(self, ids: np.ndarray, listed: array[int], fence: int | None) -> bool:
         """``free_tensor`` of the ascending int64 ids ``ids`` (more than one, all in range),
         ``listed`` the same ids as an array: ids spanning as many values as they are many
         are one run (distinct, as they are sorted) and go to ``_free_run``; else one gather
         checks that every id is allocated, one comparison of neighbours that none is named
-        twice, one scatter writes them, and ``_return_shares`` takes them page by page (each
-        page's share found by bisection of ``listed``). ``False`` with nothing changed when
-        an id is not freeable. Caller holds ``_lock``."""
+        twice, one scatter writes them, and ``_return_shares`` takes them page by page (a
+        page's share ends where the page number of neighbours changes). ``False`` with
+        nothing changed when an id is not freeable. Caller holds ``_lock``."""
         n = len(listed)
         first, last = listed[0], listed[-1]
         if last - first == n - 1:
             return self._free_run(first, n, fence)
         states = self._states
-        if not bool(states[ids].eq(_ALLOCATED).all()) or bool(ids[1:].eq(ids[:-1]).any()):
+        if (states[ids] != _ALLOCATED).any() or (ids[1:] == ids[:-1]).any():
             return False
         states[ids] = _FREE
-        self._return_shares(listed, _page_ends(listed, self._bpp), fence)
+        pages = ids // self._bpp
+        ends: list[int] = (np.flatnonzero(pages[1:] != pages[:-1]) + 1).tolist()
+        ends.append(n)
+        self._return_shares(listed, ends, fence)
         return True
 
     def _return_shares(self, ids: Sequence[int], ends: Iterable[int], fence: int | None) -> None:
@@ -863,31 +868,6 @@ class BlockLedger:
         if self._state[block] == _PINNED:
             return "it is pinned (one of pinned_blocks)"
         return "not allocated (a double free, or named twice in one call)"
-
-
-def _page_ends(ids: array[int], bpp: int) -> list[int]:
-    """The ends of the pages' shares of the ascending ``ids`` (``ids[previous end : end]``
-    sit on one page of ``bpp`` blocks), found by bisection: O(pages touched), not O(ids)."""
-    ends: list[int] = []
-    n = len(ids)
-    last = ids[-1]
-    i = 0
-    while i < n:
-        top = (ids[i] // bpp + 1) * bpp  # the next page's first block
-        i = n if last < top else bisect_left(ids, top, i)
-        ends.append(i)
-    return ends
-
-
-def _int64_array(ids: torch.Tensor) -> array[int]:
-    """The 1-D int64 tensor ``ids`` as an ``array('q')``: for a contiguous CPU tensor one
-    copy of its bytes (``tolist`` would make a Python int per id, some ten times the cost),
-    for any other through ``tolist``."""
-    if not ids.is_cpu or ids.dtype != torch.int64 or not ids.is_contiguous():
-        return array("q", ids.tolist())
-    out = array("q")
-    out.frombytes(ctypes.string_at(ids.data_ptr(), ids.numel() * 8))
-    return out
 
 
 def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
