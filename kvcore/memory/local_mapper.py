@@ -15,7 +15,10 @@ moved back along the inverse path. The mapper trusts the backend contract (a fai
 changed nothing); a driver that breaks it is caught when a rollback step on that slot then
 fails, and the page is quarantined (its slots are cleared piecewise at ``close``).
 Physical handles come from a bounded pool of handles freed by earlier commits before new
-ones are created.
+ones are created. A ``map`` of consecutive page ids (a burst's fresh pages) takes the zero page
+off, and grants access to, each slot index's run of adjacent ranges with one driver call
+each, where a page at a time needs one per page slot: the first fill of an engine's cache is
+made of such maps, on its scheduler's thread when the reserve runs dry.
 """
 
 from __future__ import annotations
@@ -169,7 +172,7 @@ class LocalPageMapper:
             else:
                 for i, p in enumerate(ids):
                     self._pages[p].handles = handles[i * hpp : (i + 1) * hpp]
-            self._transact(ids, _BACKED, _ZERO, _MAPPED_S, _UNBACKED_S)
+            self._transact(ids, _BACKED, _ZERO, _MAPPED_S, _UNBACKED_S, by_run=True)
 
     def prepare_unmap(self, page_ids: Sequence[int], *, synchronize: bool = True) -> None:
         """``PageMapper.prepare_unmap``: wait for the device (outside the lock; skipped with
@@ -299,22 +302,30 @@ class LocalPageMapper:
         origin: _Slot,
         done_state: MappingState,
         undone_state: MappingState,
+        *,
+        by_run: bool = False,
     ) -> None:
         """Move every slot of ``ids`` to ``target``; on a driver error move the touched
         slots back to ``origin`` and raise (``PageQuarantined`` if a page could not be
-        moved back). Any other exception fails the mapper."""
+        moved back). Any other exception fails the mapper. ``by_run`` (a map: ``target``
+        backed, ``origin`` the zero page) backs each run of consecutive ids whose slots are
+        all on the zero page with ``_map_run``."""
         size = self._handle_bytes
         slot_vas = self._slot_vas
         move = self._move
         pages = self._pages
         started = 0  # ids[:started] were touched
         try:
-            for p in ids:
-                started += 1
-                page = pages[p]
-                off = p * size
-                for i, va in slot_vas:
-                    move(page, i, va + off, size, target)
+            for run in _consecutive(ids) if by_run else [[p] for p in ids]:
+                started += len(run)
+                if len(run) > 1 and all(s is _ZERO for p in run for s in pages[p].slots):
+                    self._map_run(run)
+                    continue
+                for p in run:
+                    page = pages[p]
+                    off = p * size
+                    for i, va in slot_vas:
+                        move(page, i, va + off, size, target)
         except (VmmError, SlotStateUnknown) as err:
             bad = self._roll_back(ids[:started], origin, undone_state)
             if undone_state is _UNBACKED_S:
@@ -403,6 +414,45 @@ class LocalPageMapper:
             backend.map(va, size, page.handles[i])
             self._grant(va, size)
         slots[i] = target
+
+    def _map_run(self, run: list[int]) -> None:
+        """Back every slot of the consecutive page ids ``run`` (each slot on the zero page,
+        each page with its handles), one slot index at a time: that slot's ranges of the run
+        are adjacent, so one unmap takes the zero page off all of them and one
+        ``set_access`` grants the handles mapped there (both may span whole mappings: the
+        backend contract), where ``_move`` makes one of each per page. A driver error leaves
+        every slot as a rollback expects: EMPTY, SUSPECT_ZERO where the unmap raised, and
+        SUSPECT_BACKED where a handle is mapped and could not be taken off again."""
+        size = self._handle_bytes
+        pages = [self._pages[p] for p in run]
+        span = size * len(run)
+        backend = self.backend
+        for i, range_va in self._slot_vas:
+            base = range_va + run[0] * size
+            try:
+                backend.unmap(base, span)
+            except VmmError:
+                for page in pages:
+                    page.slots[i] = _Slot.SUSPECT_ZERO
+                raise
+            for page in pages:
+                page.slots[i] = _EMPTY
+            mapped = 0
+            try:
+                for page in pages:
+                    backend.map(base + mapped * size, size, page.handles[i])
+                    mapped += 1
+                backend.set_access(base, span, writable=True)
+            except VmmError:
+                if mapped:
+                    try:
+                        backend.unmap(base, mapped * size)
+                    except VmmError:
+                        for page in pages[:mapped]:
+                            page.slots[i] = _Slot.SUSPECT_BACKED
+                raise
+            for page in pages:
+                page.slots[i] = _BACKED
 
     def _grant(self, va: int, size: int) -> None:
         """Make a slot just mapped to its page's handle read-write; if that fails, unmap it
@@ -527,3 +577,14 @@ class LocalPageMapper:
 
     def _unbacked(self) -> list[int]:
         return [p for p, page in enumerate(self._pages) if _ZERO in page.slots]
+
+
+def _consecutive(ids: list[int]) -> list[list[int]]:
+    """``ids`` in their order, cut where an id does not follow the one before it."""
+    runs: list[list[int]] = []
+    for p in ids:
+        if runs and runs[-1][-1] + 1 == p:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs

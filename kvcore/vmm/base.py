@@ -91,11 +91,15 @@ class VmmBackend(abc.ABC):
 
     @abc.abstractmethod
     def set_access(self, va: int, size: int, *, writable: bool = True) -> None:
-        """Grant this device read (and, if ``writable``, write) access to a mapped range."""
+        """Grant this device read (and, if ``writable``, write) access to a mapped range.
+        The range may span several mappings, each covered whole (``cuMemSetAccess`` takes
+        any fully mapped range; a backend must do the same: the zero page and
+        ``LocalPageMapper``'s runs of pages rely on it)."""
 
     @abc.abstractmethod
     def unmap(self, va: int, size: int) -> None:
-        """Remove the mapping of ``[va, va+size)``. The handle stays valid."""
+        """Remove the mappings of ``[va, va+size)``: one, or several each covered whole (as
+        for ``set_access``). The handles stay valid."""
 
     @abc.abstractmethod
     def synchronize(self) -> None:

@@ -435,14 +435,20 @@ def test_map_failing_mid_batch_rolls_back(mapper: LocalPageMapper, vmm: FaultInj
     assert_consistent(vmm, mapper)
 
 
-@pytest.mark.parametrize("nth", [1, 2])
+@pytest.mark.parametrize("which", ["first", "last"])
+@pytest.mark.parametrize("ids", [[2, 3], [1, 3]], ids=["run", "apart"])
 def test_set_access_failing_rolls_back(
-    mapper: LocalPageMapper, vmm: FaultInjector, nth: int
+    mapper: LocalPageMapper, vmm: FaultInjector, which: str, ids: list[int]
 ) -> None:
-    vmm.fail("set_access", nth=nth)
+    """The first or the last access grant of the map fails: consecutive pages get one per
+    slot index for the run, pages apart one per slot."""
+    slots = len(mapper.cache.ranges)
+    vmm.fail("set_access", nth=1 if which == "first" else slots * (1 if ids == [2, 3] else 2))
     with pytest.raises(InjectedFault):
-        mapper.map([2, 3])
-    assert mapper.state(2) is MappingState.UNMAPPED and mapper.state(3) is MappingState.UNMAPPED
+        mapper.map(ids)
+    assert all(mapper.state(p) is MappingState.UNMAPPED for p in ids)
+    assert_consistent(vmm, mapper)
+    mapper.map(ids)
     assert_consistent(vmm, mapper)
 
 
@@ -496,7 +502,7 @@ def test_release_failing_leaks_nothing(cache: VirtualKVCache, vmm: FaultInjector
 
 
 def test_failed_rollback_quarantines_the_page(mapper: LocalPageMapper, vmm: FaultInjector) -> None:
-    ids = [0] if mapper.geometry.layout == "per-layer" else [0, 1]
+    ids = [0] if mapper.geometry.layout == "per-layer" else [0, 2]  # apart: page by page
     # the 2nd handle map fails; the rollback's unmap of the 1st handle fails too
     vmm.fail("map", nth=2)
     vmm.fail("unmap", nth=3)
@@ -529,6 +535,56 @@ def test_a_driver_lying_about_a_failure_is_caught(
     assert_consistent(vmm, mapper)
     mapper.close()
     assert len(vmm.live_handles) == 1  # even the quarantined page's handles are released
+
+
+def test_consecutive_pages_are_mapped_with_one_unmap_and_one_grant_per_slot_index(
+    mapper: LocalPageMapper, vmm: FaultInjector
+) -> None:
+    """A run of consecutive pages: per slot index one unmap of the zero page over the run,
+    one map per handle and one access grant over the run; pages apart, one of each per
+    handle. Both leave the same mappings and data."""
+    slots = len(mapper.cache.ranges)
+    vmm.reset_counts()
+    mapper.map([0, 1, 2])
+    assert (vmm.calls("unmap"), vmm.calls("map"), vmm.calls("set_access")) == (
+        slots,
+        3 * slots,
+        slots,
+    )
+    assert_consistent(vmm, mapper)
+    fill_block(mapper.cache, LAYERS - 1, BUFFERS - 1, mapper.geometry.blocks_of(2)[0], 3.0)
+    vmm.reset_counts()
+    mapper.map([3])
+    assert (vmm.calls("unmap"), vmm.calls("map"), vmm.calls("set_access")) == (slots, slots, slots)
+    assert_consistent(vmm, mapper)
+    block = mapper.geometry.blocks_of(2)[0]
+    assert block_sum(mapper.cache, LAYERS - 1, BUFFERS - 1, block) == (
+        3.0 * mapper.geometry.block_bytes / 4
+    )
+
+
+@pytest.mark.parametrize("kind", ["unmap", "map", "set_access"])
+def test_a_failing_run_call_whose_cleanup_fails_too_still_rolls_back(
+    mapper: LocalPageMapper, vmm: FaultInjector, kind: str
+) -> None:
+    """In a run of three pages, a call fails on the last slot index and so does the unmap
+    that would take the handles mapped there off again: the slots it leaves are suspect,
+    and the rollback clears them piecewise and puts the zero page back, so every page is
+    unmapped (none quarantined) and maps again."""
+    slots = len(mapper.cache.ranges)
+    ids = [0, 1, 2]
+    if kind == "unmap":  # the zero page's unmap over the run, on the last slot index
+        vmm.fail("unmap", nth=slots)
+    else:
+        vmm.fail(kind, nth=3 * slots - 1 if kind == "map" else slots)
+        vmm.fail("unmap", nth=slots + 1)  # the cleanup of the handles mapped before it
+    with pytest.raises(InjectedFault):
+        mapper.map(ids)
+    assert all(mapper.state(p) is MappingState.UNMAPPED for p in ids)
+    assert mapper.stats()["quarantined"] == 0
+    assert_consistent(vmm, mapper)
+    mapper.map(ids)
+    assert_consistent(vmm, mapper)
 
 
 def test_abort_failing_keeps_the_page_prepared(mapper: LocalPageMapper, vmm: FaultInjector) -> None:
