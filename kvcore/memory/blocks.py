@@ -681,39 +681,18 @@ class BlockLedger:
         off ``_used``. Caller holds ``_lock``."""
         bpp = self._bpp
         stacks = self._stacks
-        buckets = self._buckets
-        bucket_of = self._bucket_of
-        capacity = self._capacity
-        nonempty = self._nonempty
         held_free = self._held_free + len(ids)
         emptied: list[int] = []
         i = 0
-        # ``_rebucket`` and ``_bucket_add`` inline: this loop runs for every page a free
-        # touches, and SGLang's token frees touch dozens
         for j in ends:
             p = ids[i] // bpp
-            stack = stacks[p]
-            now = len(stack) + j - i
-            was = bucket_of[p]  # held: 0 (full) or its free count
-            if was:
-                bucket = buckets[was]
-                del bucket[p]
-                if not bucket:
-                    nonempty &= ~(1 << was)
-            if now == capacity[p]:
-                stacks[p] = self._new_stack()
-                bucket_of[p] = _NOT_HELD
+            now = len(stacks[p]) + j - i
+            if self._rebucket(p, now):
                 held_free -= now
                 emptied.append(p)
             else:
-                stack.extend(ids[i:j])
-                bucket = buckets[now]
-                if not bucket:
-                    nonempty |= 1 << now
-                bucket[p] = None
-                bucket_of[p] = now
+                stacks[p].extend(ids[i:j])
             i = j
-        self._nonempty = nonempty
         self._used -= len(ids)
         self._held_free = held_free
         if emptied:
