@@ -8,7 +8,11 @@ small enough for all servers to fit (``--mem-fraction-static``; SGLang takes tha
 the GPU for weights and KV, then caps the KV at ``--max-total-tokens``):
 
 * ``off``: upstream code;
-* ``on``: ``--kvcore-elastic`` (with ``--kvcore-config`` when given).
+* ``on``: ``--kvcore-elastic`` (with ``--kvcore-config`` when given);
+* each ``--variant NAME=JSON``: one more elastic server, named ``NAME`` in the results,
+  with ``JSON`` as its ``--kvcore-config`` (for example ``--variant
+  'reserve={"reserve_min": 2, "reserve_max": 16}'``), so that two elastic configurations
+  compare with upstream in the same run.
 
 Arguments after ``--`` go to every server (the GPU machine's flags: ``--attention-backend
 triton --sampling-backend pytorch --grammar-backend none``; ``--page-size 16`` for the paged
@@ -98,8 +102,27 @@ def split_server_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv[:split], argv[split + 1 :]
 
 
+def parse_variant(text: str) -> tuple[str, str]:
+    """``NAME=JSON`` of ``--variant``: the name and the ``--kvcore-config`` text. Raises
+    ``argparse.ArgumentTypeError`` for a name that is a mode or not a word, or a JSON text
+    that is not an object."""
+    name, sep, config = text.partition("=")
+    if not sep or not name.isidentifier() or name in MODES:
+        raise argparse.ArgumentTypeError(
+            f"--variant {text!r}: want NAME=JSON, NAME a word other than {', '.join(MODES)}"
+        )
+    try:
+        parsed = json.loads(config)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--variant {name}: not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"--variant {name}: want a JSON object")
+    return name, config
+
+
 class Server(ServeProcess):
-    """One SGLang server of one mode (``MODES``) for ``model``."""
+    """One SGLang server of one mode (``MODES``, or a ``--variant`` name: elastic with the
+    variant's ``--kvcore-config``) for ``model``."""
 
     def __init__(
         self, model: str, mode: str, port: int, args: Any, server_args: list[str], log: Path
@@ -109,7 +132,10 @@ class Server(ServeProcess):
         tokens = int(args.kv_gib * GiB) // kv_bytes_per_token(config)
         sized = ["--mem-fraction-static", str(args.mem_fraction_static),
                  "--max-total-tokens", str(tokens), "--enable-metrics"]  # fmt: skip
-        cmd = launch_server_cmd(model, port, MODES[mode], args.kvcore_config,
+        variants = dict(args.variant)
+        elastic = MODES.get(mode, True)
+        kvcore_config = variants.get(mode, args.kvcore_config)
+        cmd = launch_server_cmd(model, port, elastic, kvcore_config,
                                 [*sized, *server_args])  # fmt: skip
         super().__init__(cmd, os.environ, port, log, mode)
 
@@ -155,6 +181,14 @@ def main(argv: list[str] | None = None) -> None:
         "the servers' sum under 1",
     )
     parser.add_argument("--kvcore-config", default=None, help="--kvcore-config JSON (on side)")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        type=parse_variant,
+        default=[],
+        metavar="NAME=JSON",
+        help="one more elastic server, NAME in the results, JSON its --kvcore-config (repeatable)",
+    )
     parser.add_argument("--port", type=int, default=30011, help="first server's port")
     parser.add_argument("--start-timeout", type=float, default=420.0)
     args = parser.parse_args(own)
@@ -162,6 +196,10 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if "off" not in args.modes:
         parser.error("--modes must include off: ratios are to upstream")
+    names = [name for name, _ in args.variant]
+    if len(set(names)) != len(names):
+        parser.error(f"--variant names must differ: {names}")
+    modes = [*args.modes, *names]
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -169,11 +207,11 @@ def main(argv: list[str] | None = None) -> None:
             name = Path(model).name
             servers = [
                 Server(model, m, args.port + i, args, server_args, work / f"{name}-{m}.log")
-                for i, m in enumerate(args.modes)
+                for i, m in enumerate(modes)
             ]
             run_rounds(model, servers, partial(_run_bench, model, args, work), COUNTERS, args,
                        results)  # fmt: skip
-    print_summary(results, args.modes)
+    print_summary(results, modes)
 
 
 if __name__ == "__main__":

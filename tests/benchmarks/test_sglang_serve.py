@@ -81,20 +81,24 @@ def nvmlDeviceGetClockInfo(h, c): raise NVMLError("not here")
 """
 
 
-def _free_port_pair() -> int:
-    """A port ending in 0 whose next port is free too (the client tells them apart)."""
+def _free_ports(n: int) -> int:
+    """A port ending in 0 whose next ``n - 1`` ports are free too (the client tells them
+    apart by the last digit)."""
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1]) // 10 * 10
+        socks = [socket.socket() for _ in range(n)]
         try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
+            for i, sock in enumerate(socks):
+                sock.bind(("127.0.0.1", port + i))
             return port
         except OSError:
             continue
-    raise RuntimeError("no free port pair")
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {n} free ports in a row")
 
 
 def test_kv_bytes_per_token_of_the_test_shapes() -> None:
@@ -104,6 +108,18 @@ def test_kv_bytes_per_token_of_the_test_shapes() -> None:
             "hidden_size": 1024, "head_dim": 128}  # fmt: skip
     assert sglang_serve.kv_bytes_per_token(llama) == 131072
     assert sglang_serve.kv_bytes_per_token(qwen) == 114688
+
+
+def test_a_variant_is_a_named_json_object_other_than_a_mode() -> None:
+    import argparse
+
+    assert sglang_serve.parse_variant('kept={"reserve_max": 16}') == (
+        "kept", '{"reserve_max": 16}'
+    )  # fmt: skip
+    for bad, says in [("on={}", "NAME a word"), ("kept", "NAME=JSON"), ("a b={}", "NAME a word"),
+                      ("kept={oops", "not JSON"), ("kept=[1]", "JSON object")]:  # fmt: skip
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            sglang_serve.parse_variant(bad)
 
 
 @pytest.mark.slow
@@ -123,11 +139,12 @@ def test_rounds_of_both_modes_with_sglangs_client(tmp_path: Path) -> None:
         "hidden_size": 1024, "head_dim": 128,
     }))  # fmt: skip
     out = tmp_path / "serve.json"
-    port = _free_port_pair()
+    port = _free_ports(3)
     env = {**os.environ, "PYTHONPATH": f"{fake}{os.pathsep}{ROOT}"}
     cmd = [sys.executable, "-m", "benchmarks.sglang_serve", "--models", str(model),
            "--out", str(out), "--repeats", "2", "--rates", "inf", "--num-prompts", "7",
            "--kv-gib", "1", "--port", str(port), "--kvcore-config", '{"reserve_min": 2}',
+           "--variant", 'kept={"reserve_max": 16}',
            "--start-timeout", "120", "--", "--attention-backend", "triton"]  # fmt: skip
     run = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -140,10 +157,16 @@ def test_rounds_of_both_modes_with_sglangs_client(tmp_path: Path) -> None:
         assert "--enable-metrics" in cmd_line and "--attention-backend" in cmd_line
     assert "--kvcore-elastic" not in off_cmd
     assert on_cmd[on_cmd.index("--kvcore-config") + 1] == '{"reserve_min": 2}'
+    # a variant is one more elastic server with its own --kvcore-config
+    kept_cmd = json.loads((tmp_path / f"{port + 2}.cmd").read_text())
+    assert "--kvcore-elastic" in kept_cmd
+    assert kept_cmd[kept_cmd.index("--kvcore-config") + 1] == '{"reserve_max": 16}'
 
     doc = json.loads(out.read_text())
     runs = doc["results"][0]["runs"]
-    assert [(r["mode"], r["round"]) for r in runs] == [("off", 0), ("on", 0), ("on", 1), ("off", 1)]
+    assert [(r["mode"], r["round"]) for r in runs] == [
+        ("off", 0), ("on", 0), ("kept", 0), ("on", 1), ("kept", 1), ("off", 1)
+    ]  # the order rotates between rounds  # fmt: skip
     assert all(r["completed"] == 7 and r["num_prompts"] == 7 for r in runs)
     # the server's counter moved by one client run each time
     assert all(r["counters"] == {"sglang:generation_tokens_total": 100.0} for r in runs)
@@ -151,7 +174,9 @@ def test_rounds_of_both_modes_with_sglangs_client(tmp_path: Path) -> None:
     assert row["output_throughput_on_ratio"] == pytest.approx(1 / 1.1)
     assert row["median_tpot_ms_on_ratio"] == pytest.approx(1.1)
     assert "on: output_throughput 909.1 (0.909x)" in run.stdout
+    assert row["output_throughput_kept_ratio"] == pytest.approx(1.0)
+    assert "kept: output_throughput 1000.0 (1.000x)" in run.stdout
     # each server's whole log comes back beside the result
-    for mode, p in (("off", port), ("on", port + 1)):
+    for mode, p in (("off", port), ("on", port + 1), ("kept", port + 2)):
         log = gzip.decompress((tmp_path / f"serve-qwen3-0.6b-{mode}.log.gz").read_bytes())
         assert f"serving on {p}" in log.decode()
