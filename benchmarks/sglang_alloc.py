@@ -4,12 +4,15 @@ Issue 7's figure: alloc/free cost of SGLang's own ``PagedTokenToKVPoolAllocator`
 ``TokenToKVPoolAllocator`` against kvcore's elastic subclasses (goal: elastic <= 1.1x
 upstream). Both run in the same process on the same pool shape; the elastic one sits on the
 real kvcore stack (``host`` backend at the GPU's 2 MiB granularity, ``VirtualKVCache``,
-``LocalPageMapper``, ``PageAllocator`` with a warm reserve, ``BlockLedger``). Needs the
+``LocalPageMapper``, ``PageAllocator`` with a warm reserve of 8 to 32 pages unless
+``--reserve`` says otherwise, ``BlockLedger``); each row also counts the elastic side's
+mapper calls in the timed cycles, on the calling thread and in background rounds. Needs the
 kvcore fork of SGLang installed (``nox -s test-sglang-0.5.23`` builds such a venv under
 ``.nox/``)::
 
     PYTHONPATH=tests/engines/sglang/shim .nox/test-sglang-0-5-23/bin/python \\
-        -m benchmarks.sglang_alloc [--repeats 31] [--iters 100] [--json F] [--device cuda]
+        -m benchmarks.sglang_alloc [--repeats 31] [--iters 100] [--json F] [--device cuda] \\
+        [--reserve MIN MAX]
 
 ``--device cuda`` (the GPU machine, through ``benchmarks/sglang_device.sh run``) runs the same
 cycles on a CUDA pool: SGLang's Triton index kernels on both sides, kvcore on its ``cuda``
@@ -67,7 +70,7 @@ from harness.sglang_kv import Engine, build
 PAGE = 16
 SIZE = 1 << 16  # tokens
 HEADS, HEAD_DIM, LAYERS = 8, 128, 4
-# the GPU's 2 MiB granularity (not the tests' 64 KiB), a warm reserve
+# the GPU's 2 MiB granularity (not the tests' 64 KiB), a warm reserve (``--reserve``)
 KVCORE = {
     "backend_options": {"device_bytes": 8 << 30, "granularity": 2 << 20},
     "reserve_min": 8,
@@ -208,14 +211,24 @@ def measure(name: str, page_size: int, cycle: Callable[[Any], None], args: Any) 
     try:
         for e in engines.values():
             _time(e.allocator, cycle, max(args.iters // 4, 1))  # warm-up (and the reserve fill)
+        before = engines["elastic"].manager.stats()
         for _ in range(args.repeats):  # interleaved, so drift hits both sides alike
             for mode, e in engines.items():
                 runs[mode].append(_time(e.allocator, cycle, args.iters))
+        after = engines["elastic"].manager.stats()
     finally:
         for e in engines.values():
             if e.scope is not None:
                 e.scope.close()
-    row: dict[str, Any] = {"workload": name}
+    # the mapper calls (each maps or unmaps pages: driver calls per slot) of the elastic
+    # side in the timed cycles: on the calling (scheduler)
+    # thread, and in background rounds (the reserve's refill and the unmaps)
+    row: dict[str, Any] = {
+        "workload": name,
+        "cycles": args.repeats * args.iters,
+        "elastic_caller_mapper_calls": after.caller_mapper_calls - before.caller_mapper_calls,
+        "elastic_background_mapper_calls": after.refill_mapper_calls - before.refill_mapper_calls,
+    }
     for i, clock in enumerate(("wall", "cpu")):
         up = [r[i] for r in runs["upstream"]]
         el = [r[i] for r in runs["elastic"]]
@@ -236,9 +249,19 @@ def main() -> None:
     parser.add_argument(
         "--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS)
     )
+    parser.add_argument(
+        "--reserve",
+        nargs=2,
+        type=int,
+        metavar=("MIN", "MAX"),
+        default=[KVCORE["reserve_min"], KVCORE["reserve_max"]],
+        help="the elastic side's reserve_min and reserve_max, in pages (0 0: the engines' "
+        "default, every emptied page unmapped and every new one mapped on the calling thread)",
+    )
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
+    KVCORE["reserve_min"], KVCORE["reserve_max"] = args.reserve
 
     import sglang
 
@@ -249,14 +272,18 @@ def main() -> None:
         title=f"SGLang {sglang.__version__} allocator on {DEVICE}, elastic vs upstream: medians of "
         f"{args.repeats} x {args.iters} cycles, wall | thread CPU"
     )
-    for col in ("workload", "upstream us", "elastic us", "elastic / upstream"):
+    for col in ("workload", "upstream us", "elastic us", "elastic / upstream",
+                "mapper calls / 1k cycles, caller | background"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in rows:
+        per_k = 1000 / r["cycles"]
         table.add_row(
             r["workload"],
             f"{r['upstream_us_wall']:.1f} | {r['upstream_us_cpu']:.1f}",
             f"{r['elastic_us_wall']:.1f} | {r['elastic_us_cpu']:.1f}",
             f"{r['ratio_wall']:.3f}x | {r['ratio_cpu']:.3f}x",
+            f"{r['elastic_caller_mapper_calls'] * per_k:.1f} | "
+            f"{r['elastic_background_mapper_calls'] * per_k:.1f}",
         )
     Console().print(table)
     if args.json:
@@ -269,6 +296,7 @@ def main() -> None:
                     "date": now(),
                     "repeats": args.repeats,
                     "iters": args.iters,
+                    "reserve": args.reserve,
                     "results": rows,
                 },
                 f,
