@@ -139,16 +139,18 @@ class _ElasticMixin:
         pages come as an int64 array, copied as it is (and joined to the runs' views), as
         do many runs. A view is only
         read, as upstream's token ``alloc`` hands out a view of its free list. Frees whose
-        copies from the device have arrived reach the ledger first; what the ledger cannot
-        give is taken from the frees still in flight, on the device and without waiting
-        (``PendingFrees.take``), the rest from the ledger."""
+        copies from the device have arrived reach the ledger first. Then the ledger's free
+        blocks on the pages it holds go first, the frees still in flight next (taken on the
+        device, without waiting: ``PendingFrees.take``), and only what both lack comes from
+        pages the ledger must acquire: ids in flight sit on pages already mapped, so taking
+        them keeps the page allocator (a map, or a wait for a background unmap) off the
+        scheduler's thread, as upstream reuses a freed slot rather than a new one."""
         pending = self._pending
         if pending:
             pending.settle()
-        fresh = self._take_fresh(n)
-        if fresh is not None or not pending.count:
-            return fresh
-        k = min(n, pending.count)
+        k = min(n - self.ledger.held_free(), pending.count)
+        if k <= 0:
+            return self._take_fresh(n)
         if k == n:
             return pending.take(n)
         head = self._take_fresh(n - k)

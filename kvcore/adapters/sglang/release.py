@@ -14,11 +14,12 @@ pinned host memory with a non-blocking copy behind that, records an event, and h
 ids to the ledger once the event has completed (``settle``: the allocators call it before
 each allocation and at each scheduler iteration). Until then the ids stay allocated in the
 ledger but count as free (``count``), so that the allocators' ``available_size`` reports
-them as upstream would; and an allocation the ledger cannot meet takes them on the device
-(``take``), as upstream takes ids from its device free list: SGLang's eviction before an
-allocation frees exactly the ids that allocation needs, and waiting for them to reach the
-host would wait for the batch in flight. Ids taken stay allocated in the ledger (they
-change owner, not state) and are not released when their copy arrives.
+them as upstream would; and an allocation the free blocks on the ledger's pages cannot meet
+takes them on the device (``take``) before the ledger acquires a page, as upstream takes ids
+from its device free list: SGLang's eviction before an allocation frees exactly the ids that
+allocation needs, and waiting for them to reach the host would wait for the batch in flight.
+Ids taken stay allocated in the ledger (they change owner, not state) and are not released
+when their copy arrives.
 
 On the CPU there is nothing to overlap: ``add`` frees at once. Ranks that agree their room
 (TP > 1 under a budget) do not use it: the allocators free at once there, so that every

@@ -7,9 +7,10 @@ allocators are given a transfer whose completion the test controls (``Copies``),
 can be held in flight: it must count as free in ``available_size`` and the leak check's
 ``conservation_available_size`` (as upstream counts a free at once), must reach the ledger at
 the next allocation or scheduler iteration once its copy is done (oldest first), and an
-allocation the ledger cannot meet must take the ids in flight on the device, without
-waiting (they stay allocated in the ledger and are not released when their copy arrives),
-returning ``None`` only when the ledger and the frees in flight together fall short.
+allocation that the free blocks on the ledger's pages cannot meet must take the ids in
+flight on the device, without waiting (they stay allocated in the ledger and are not
+released when their copy arrives), before the ledger acquires a page, returning ``None``
+only when the ledger and the frees in flight together fall short.
 ``clear`` and ``get_all_free_pages`` wait for all. Ranks that agree their room free at once.
 """
 
@@ -124,24 +125,46 @@ def test_what_the_ledger_cannot_give_comes_from_the_frees_in_flight(token: Any) 
     assert not any(ledger.is_allocated(b) for b in held[120:140].tolist())
 
 
-def test_a_shortfall_takes_every_free_in_flight_and_the_rest_from_the_ledger(
-    token: Any,
-) -> None:
-    """When the ledger cannot give the whole allocation, the ids in flight (already
-    mapped, on pages the instance holds) go first and the ledger gives only the rest."""
+def test_a_shortfall_takes_the_held_blocks_then_the_frees_in_flight(token: Any) -> None:
+    """When the ledger's held pages cannot give the whole allocation, their free blocks go
+    first, then the ids in flight (oldest first), and what is left stays in flight."""
     copies = _in_flight(token)
     ledger = token.ledger
     held = token.alloc(token.available_size() - 30)  # 30 left in the ledger
     assert held is not None
+    on_pages = ledger.held_free()
     token.free(held[:50])
     got = token.alloc(60)
+    taken = min(60 - on_pages, 50)
     assert got is not None and len(set(got.tolist())) == 60
-    assert set(held[:50].tolist()) <= set(got.tolist())
-    assert token._pending.count == 0 and token.available_size() == 20
+    assert set(held[:taken].tolist()) <= set(got.tolist())
+    assert not set(held[taken:50].tolist()) & set(got.tolist())
+    assert token._pending.count == 50 - taken and token.available_size() == 20
     assert all(ledger.is_allocated(b) for b in got.tolist())
     copies.started[0].done = True
-    assert token._pending.settle() == 0  # all of it was taken: nothing to release
-    assert all(ledger.is_allocated(b) for b in held[:50].tolist())
+    assert token._pending.settle() == 50 - taken  # only what was not taken is released
+    assert all(ledger.is_allocated(b) for b in held[:taken].tolist())
+    assert not any(ledger.is_allocated(b) for b in held[taken:50].tolist())
+
+
+def test_frees_in_flight_are_taken_before_the_ledger_acquires_a_page(token: Any) -> None:
+    """Ids in flight sit on pages already mapped: an allocation they cover (with the free
+    blocks on held pages) acquires no page, which would map one on the scheduler's thread
+    or wait for a background unmap; beyond them, the ledger acquires as before."""
+    _in_flight(token)
+    ledger, pages = token.ledger, token.kvcore.pages
+    first = token.alloc(100)
+    assert first is not None
+    if ledger.held_free():
+        assert token.alloc(ledger.held_free()) is not None  # the held pages are now full
+    assert ledger.held_free() == 0 and ledger.available() > 0  # unheld pages remain
+    in_use = pages.stats().in_use
+    token.free(first[:40])
+    got = token.alloc(40)
+    assert got is not None and sorted(got.tolist()) == sorted(first[:40].tolist())
+    assert pages.stats().in_use == in_use
+    more = token.alloc(50)  # nothing held, nothing in flight: a page is acquired
+    assert more is not None and pages.stats().in_use > in_use
 
 
 def test_clear_and_the_free_list_wait_for_every_free_in_flight(token: Any) -> None:
