@@ -8,7 +8,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import sglang_serve
+
+from .ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,26 +82,6 @@ def nvmlDeviceGetClockInfo(h, c): raise NVMLError("not here")
 """
 
 
-def _free_ports(n: int) -> int:
-    """A port ending in 0 whose next ``n - 1`` ports are free too (the client tells them
-    apart by the last digit)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1]) // 10 * 10
-        socks = [socket.socket() for _ in range(n)]
-        try:
-            for i, sock in enumerate(socks):
-                sock.bind(("127.0.0.1", port + i))
-            return port
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no {n} free ports in a row")
-
-
 def test_kv_bytes_per_token_of_the_test_shapes() -> None:
     llama = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
              "hidden_size": 4096}  # fmt: skip
@@ -139,7 +120,7 @@ def test_rounds_of_both_modes_with_sglangs_client(tmp_path: Path) -> None:
         "hidden_size": 1024, "head_dim": 128,
     }))  # fmt: skip
     out = tmp_path / "serve.json"
-    port = _free_ports(3)
+    port = free_ports(3)
     env = {**os.environ, "PYTHONPATH": f"{fake}{os.pathsep}{ROOT}"}
     cmd = [sys.executable, "-m", "benchmarks.sglang_serve", "--models", str(model),
            "--out", str(out), "--repeats", "2", "--rates", "inf", "--num-prompts", "7",

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from .ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,26 +50,6 @@ HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _free_port_pair() -> int:
-    """A port whose next port is free too (``--together`` takes both)."""
-    for _ in range(200):
-        port = _free_port()
-        with socket.socket() as a, socket.socket() as b:
-            try:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two free consecutive ports")
-
-
 def _smoke(tmp_path: Path, flip: bool, together: bool = False) -> tuple[int, dict]:
     fake = tmp_path / "fake"
     (fake / "sglang").mkdir(parents=True)
@@ -80,7 +61,7 @@ def _smoke(tmp_path: Path, flip: bool, together: bool = False) -> tuple[int, dic
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": f"{fake}{os.pathsep}{ROOT}", "FLIP": "1" if flip else "0"}
     cmd = [sys.executable, "-m", "benchmarks.sglang_smoke", "--model", str(model), "--out",
-           str(out), "--port", str(_free_port_pair()), "--max-new-tokens", "4",
+           str(out), "--port", str(free_ports(2)), "--max-new-tokens", "4",
            *(["--together"] * together), "--", "--attention-backend", "triton"]  # fmt: skip
     rc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, timeout=300).returncode
     return rc, json.loads((out / "smoke.json").read_text())
