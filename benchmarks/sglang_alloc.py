@@ -221,8 +221,8 @@ def measure(name: str, page_size: int, cycle: Callable[[Any], None], args: Any) 
             if e.scope is not None:
                 e.scope.close()
     # the mapper calls (each maps or unmaps pages: driver calls per slot) of the elastic
-    # side in the timed cycles: on the calling (scheduler)
-    # thread, and in background rounds (the reserve's refill and the unmaps)
+    # side in the timed cycles: on the calling (scheduler) thread, and in background rounds
+    # (the reserve's refill and the unmaps)
     row: dict[str, Any] = {
         "workload": name,
         "cycles": args.repeats * args.iters,
