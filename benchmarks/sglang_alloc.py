@@ -12,11 +12,19 @@ kvcore fork of SGLang installed (``nox -s test-sglang-0.5.23`` builds such a ven
 
     PYTHONPATH=tests/engines/sglang/shim .nox/test-sglang-0-5-23/bin/python \\
         -m benchmarks.sglang_alloc [--repeats 31] [--iters 100] [--json F] [--device cuda] \\
-        [--reserve MIN MAX]
+        [--reserve MIN MAX] [--profile DIR]
 
 ``--device cuda`` (the GPU machine, through ``benchmarks/sglang_device.sh run``) runs the same
 cycles on a CUDA pool: SGLang's Triton index kernels on both sides, kvcore on its ``cuda``
 backend; each timed run ends with a device synchronize, so a side's queued GPU work counts.
+
+``--profile DIR`` then runs ``--iters`` more cycles of each side under ``torch.profiler`` and
+writes ``DIR/<workload>-<side>.txt``: torch's table of the operators and, on CUDA, the CUDA
+runtime calls (``cudaMemcpyAsync``, ``cudaEventRecord``, ``cudaHostAlloc``, ...) those cycles
+made, by self CPU time, with call counts; dividing by ``--iters`` gives a cycle's calls.
+Where the two sides' tables differ is what the elastic side pays per cycle that upstream does
+not (the profiler adds its own cost per call: compare counts and the tables' ranks, not
+these times with the timed runs').
 
 Workloads, each one cycle per iteration:
 
@@ -58,6 +66,7 @@ import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -204,6 +213,23 @@ def _time(a: Any, cycle: Callable[[Any], None], iters: int) -> tuple[float, floa
     return (time.perf_counter() - wall) / iters, (time.thread_time() - cpu) / iters
 
 
+def _profile(a: Any, cycle: Callable[[Any], None], iters: int, out: Path) -> None:
+    """``iters`` cycles of ``a`` under ``torch.profiler``; its operator table to ``out``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if DEVICE != "cpu":
+        activities.append(ProfilerActivity.CUDA)  # the CUDA runtime calls, by name
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            cycle(a)
+        if DEVICE != "cpu":
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"{iters} cycles on {DEVICE}\n{table}\n")
+
+
 def measure(name: str, page_size: int, cycle: Callable[[Any], None], args: Any) -> dict[str, Any]:
     """One workload, both sides in turn: medians (us per cycle) and paired ratios."""
     engines = {mode: _stack(mode == "elastic", page_size) for mode in ("upstream", "elastic")}
@@ -216,6 +242,9 @@ def measure(name: str, page_size: int, cycle: Callable[[Any], None], args: Any) 
             for mode, e in engines.items():
                 runs[mode].append(_time(e.allocator, cycle, args.iters))
         after = engines["elastic"].manager.stats()
+        if args.profile:
+            for mode, e in engines.items():
+                _profile(e.allocator, cycle, args.iters, Path(args.profile) / f"{name}-{mode}.txt")
     finally:
         for e in engines.values():
             if e.scope is not None:
@@ -257,6 +286,12 @@ def main() -> None:
         default=[KVCORE["reserve_min"], KVCORE["reserve_max"]],
         help="the elastic side's reserve_min and reserve_max, in pages (0 0: the engines' "
         "default, every emptied page unmapped and every new one mapped on the calling thread)",
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="after the timed runs, profile --iters cycles of each side into "
+        "DIR/<workload>-<side>.txt",
     )
     args = parser.parse_args()
     global DEVICE
