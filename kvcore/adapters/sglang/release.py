@@ -49,9 +49,10 @@ class Done(Protocol):
 
 def _copy_to_host(ids: torch.Tensor) -> tuple[Done, torch.Tensor]:
     """Queue a copy of device tensor ``ids`` into pinned host memory on the current stream;
-    the event behind it and the host tensor (valid once the event has completed)."""
-    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-    host.copy_(ids, non_blocking=True)
+    the event behind it and the host tensor (valid once the event has completed). One torch
+    call allocates and copies: a non-blocking copy from a GPU to the CPU lands in pinned
+    memory (torch's ``_to_copy``), so it does not wait for the stream."""
+    host = ids.to("cpu", non_blocking=True)
     done = torch.cuda.Event()  # type: ignore[no-untyped-call]
     done.record()
     return done, host
@@ -137,7 +138,7 @@ class PendingFrees:
             elif not freed.done.query():
                 break
             queue.popleft()
-            ids = freed.host[freed.taken :]
+            ids = freed.host[freed.taken :] if freed.taken else freed.host
             n = ids.numel()
             self.count -= n
             released += n

@@ -227,3 +227,22 @@ def test_token_allocator_on_the_gpu_hands_out_device_ids_and_releases_pages(make
     loc = a.alloc(2000)
     kv.write(3, loc)
     kv.check()
+
+
+def test_freed_ids_reach_the_host_through_pinned_memory() -> None:
+    """``PendingFrees`` on CUDA: the ids a free hands to the ledger were copied into pinned
+    host memory (a copy into pageable memory would wait for the work on the stream) and are
+    the ids freed, as int64, whatever the freed tensor's dtype."""
+    _on_device()
+    from kvcore.adapters.sglang.release import PendingFrees
+
+    released: list[torch.Tensor] = []
+    pending = PendingFrees(released.append, on_device=True)
+    ids = torch.randperm(5000, device="cuda", dtype=torch.int64)[:3000].to(torch.int32)
+    freed = ids.tolist()
+    pending.add(ids)
+    ids.fill_(-1)  # the caller may reuse its tensor once it has freed it
+    assert pending.settle(wait=True) == 3000
+    (host,) = released
+    assert host.device.type == "cpu" and host.is_pinned() and host.dtype == torch.int64
+    assert host.tolist() == freed
