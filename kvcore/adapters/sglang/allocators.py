@@ -42,6 +42,7 @@ from sglang.srt.utils import next_power_of_2
 
 from kvcore.adapters.sglang import eviction
 from kvcore.adapters.sglang.release import PendingFrees
+from kvcore.adapters.sglang.staging import PinnedStaging
 from kvcore.errors import UnsupportedConfiguration
 from kvcore.parallel.agreement import RoomLedger
 
@@ -91,7 +92,8 @@ class _ElasticMixin:
         self._budgeted = manager.config.limit_bytes is not None or manager.config.gpu_ledger
         self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
         self._on_cpu = self._empty.device.type == "cpu"  # read once: .device builds an object
-        self._pinned = self._empty.is_cuda  # host-to-device copies go through pinned memory
+        # host-to-device copies of the ledger's ids go through one pinned buffer
+        self._staging = PinnedStaging(self.device) if self._empty.is_cuda else None
         # frees of device id tensors reach the ledger without waiting for the device
         self._pending = PendingFrees(self._release_block_ids, on_device=not self._on_cpu)
         # every block id in order (the size of upstream's free list): a run of fresh ids is
@@ -103,16 +105,15 @@ class _ElasticMixin:
     def _as_tensor(self, ids: array[int]) -> torch.Tensor:
         """The ledger's ids (``array('q')``, as ``BlockLedger.alloc_split`` lists them) as an
         int64 tensor on the allocator's device: the array's memory as it is, no per-id
-        conversion. To a GPU through pinned memory, without waiting: a copy from pageable
-        memory would wait for the work queued on the stream (the overlapped batch)."""
+        conversion. To a GPU through pinned memory (``PinnedStaging``), without waiting: a
+        copy from pageable memory would wait for the work queued on the stream (the
+        overlapped batch)."""
         if not ids:
             return self._empty
+        if self._staging is not None:
+            return self._staging.to_device(ids)
         t = torch.frombuffer(ids, dtype=torch.int64)
-        if self._on_cpu:
-            return t
-        if self._pinned:
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+        return t if self._on_cpu else t.to(self.device)
 
     def _free_device_ids(self, ids: torch.Tensor) -> None:
         """Free the distinct block ids of device tensor ``ids`` (not empty): through

@@ -246,3 +246,19 @@ def test_freed_ids_reach_the_host_through_pinned_memory() -> None:
     (host,) = released
     assert host.device.type == "cpu" and host.is_pinned() and host.dtype == torch.int64
     assert host.tolist() == freed
+
+
+def test_staged_ids_are_copied_before_their_slice_is_written_again() -> None:
+    """``PinnedStaging`` on CUDA with the stream busy (a sleep kernel queued before every
+    copy): each id list written into the pinned buffer reaches the device as written,
+    though the small halves are switched at every list and written again while the
+    copies wait behind the sleep."""
+    _on_device()
+    from kvcore.adapters.sglang.staging import PinnedStaging
+
+    staging = PinnedStaging("cuda", half=64)
+    torch.cuda._sleep(50_000_000)  # tens of milliseconds of device time before the copies
+    lists = [array("q", range(k * 100, k * 100 + 40)) for k in range(12)]
+    out = [staging.to_device(ids) for ids in lists]
+    torch.cuda.synchronize()
+    assert [t.tolist() for t in out] == [list(ids) for ids in lists]
