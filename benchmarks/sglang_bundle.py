@@ -66,16 +66,20 @@ KERNEL = "sglang-kernel"
 
 NOT_CARRIED = re.compile(
     r"^(torch|torchaudio|torchvision|torchcodec|flashinfer-.*|sglang-kernel|nvidia-(?!ml-py$).*|"
-    r"cuda-python|flash-attn-4|humming-kernels|quack-kernels|"
+    r"cuda-python|cuda-tile|flash-attn-4|humming-kernels|quack-kernels|"
     r"tilelang|deep-gemm|sgl-deep-ep|sgl-deep-gemm|sgl-flash-mla|nvshmem4py-cu\d+|kernels|"
-    r"torch-memory-saver|deepseek-recipe|tml-renderers|av|decord2)$"
+    r"torch-memory-saver|deepseek-recipe|tokenspeed-mla|tokenspeed-triton|tml-renderers|av|"
+    r"decord2)$"
 )
 """SGLang requirements not carried: torch's family (the image's builds must be used),
 sglang-kernel (its Python files travel on their own, ``KERNEL``), CUDA libraries
 (``nvidia-ml-py`` travels: NVML bindings, pure Python, which SGLang imports when it sees
 CUDA), kernel libraries and their loaders that a dense model on triton attention never imports
 (``kernels`` is the hub kernel loader; ``torch-memory-saver`` only runs with
-``--enable-memory-saver``), DeepSeek-specific recipes and video decoders."""
+``--enable-memory-saver``; ``cuda-tile``, pinned by 0.5.20 to a pre-release the registry no
+longer serves, only by the Kimi linear-attention prefill kernels), DeepSeek-specific recipes
+and MLA kernels (0.5.20's ``tokenspeed_mla`` backend, imported only where it is installed,
+and its 95 MB Triton fork) and video decoders."""
 
 SKIPPED = re.compile(
     r"^sglang/(multimodal_gen/|srt/rust_extensions/_(server|grpc|bench|multimodal)\.)"
@@ -93,6 +97,11 @@ STANDINS = {
 """Members of the SGLang tree packed from a stand-in instead of the wheel: modules a dense
 model on the GPU machine imports but cannot load there and never runs (each stand-in's
 docstring says why, and what upstream does instead)."""
+IMPORTERS = {
+    "sglang/kernels/ops/gemm/cutedsl_dual_gemm.py": "sglang/srt/layers/dual_gemm.py",
+}
+"""For each ``STANDINS`` member, the module whose import of it the stand-in serves: a release
+without that module (0.5.20 has no dual GEMM) needs no stand-in."""
 
 
 class BundleError(RuntimeError):
@@ -111,20 +120,31 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) -> Non
     tar.addfile(member, io.BytesIO(data))
 
 
+def standins(names: set[str]) -> dict[str, Path]:
+    """The ``STANDINS`` that apply to a wheel with members ``names``: those whose importer
+    (``IMPORTERS``) it has. Raises ``BundleError`` naming a member the wheel lacks while it
+    has the member's importer (a release that moved it needs its own check)."""
+    needed = {m: p for m, p in STANDINS.items() if IMPORTERS[m] in names}
+    absent = sorted(set(needed) - names)
+    if absent:
+        raise BundleError(f"no {', '.join(absent)} to stand in for")
+    return needed
+
+
 def sglang_tree(wheel: Path, dest: Path) -> Path:
     """``dest/sglang-py.tar.xz``: every member of the forked wheel but ``SKIPPED``, the
-    ``STANDINS`` members from their stand-ins. Raises ``BundleError`` when the wheel lacks a
-    member a stand-in replaces (a release that moved it needs its own check)."""
+    members ``standins`` names from their stand-ins. Raises ``BundleError`` as it does."""
     tree = dest / "sglang-py.tar.xz"
     with zipfile.ZipFile(wheel) as zf, tarfile.open(tree, "w:xz") as tar:
-        absent = set(STANDINS) - set(zf.namelist())
-        if absent:
-            raise BundleError(f"{wheel.name}: no {', '.join(sorted(absent))} to stand in for")
+        try:
+            replaced = standins(set(zf.namelist()))
+        except BundleError as exc:
+            raise BundleError(f"{wheel.name}: {exc}") from None
         for info in zf.infolist():
             if not info.is_dir() and not SKIPPED.match(info.filename):
                 name = info.filename
                 mode = 0o755 if name.endswith(".so") else 0o644
-                data = STANDINS[name].read_bytes() if name in STANDINS else zf.read(info)
+                data = replaced[name].read_bytes() if name in replaced else zf.read(info)
                 _add(tar, name, data, mode)
     return tree
 
@@ -203,9 +223,14 @@ def main(argv: list[str] | None = None) -> None:
         "python": args.python,
         "sgl_kernel": f"{kernel.name}: Python files and dist-info only",
         "skipped": SKIPPED.pattern,
-        "standins": {m: str(p.relative_to(ROOT)) for m, p in STANDINS.items()},
+        "standins": {m: str(p.relative_to(ROOT)) for m, p in _applied(wheel).items()},
         "wheels": [{"name": n, "version": v, "url": u} for n, v, u in pins],
     })  # fmt: skip
+
+
+def _applied(wheel: Path) -> dict[str, Path]:
+    with zipfile.ZipFile(wheel) as zf:
+        return standins(set(zf.namelist()))
 
 
 if __name__ == "__main__":

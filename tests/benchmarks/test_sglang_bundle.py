@@ -18,6 +18,7 @@ from benchmarks import sglang_bundle, vllm_bundle
 
 ROOT = Path(__file__).resolve().parents[2]
 DUAL_GEMM = "sglang/kernels/ops/gemm/cutedsl_dual_gemm.py"
+IMPORTER = "sglang/srt/layers/dual_gemm.py"
 
 METADATA = """\
 Metadata-Version: 2.1
@@ -81,6 +82,8 @@ def test_requirements_keep_what_the_image_lacks_for_the_target_platform() -> Non
         ("numpy", False),  # the image's
         ("kernels", False),
         ("kernels-extra", True),  # whole names only
+        ("cuda-tile", False),  # 0.5.20 pins a pre-release the registry no longer has
+        ("tokenspeed_mla", False),  # an MLA backend, imported only where installed
     ],
 )
 def test_carried(name: str, travels: bool) -> None:
@@ -110,6 +113,7 @@ def test_the_sglang_tree_leaves_out_the_skipped_members(tmp_path: Path) -> None:
         "sglang/multimodal_gen/runtime/server.py": b"",
         "sglang/multimodal/keep.py": b"",
         DUAL_GEMM: b"import cutlass\n",
+        IMPORTER: b"",
         "sglang-0.5.23+kvcore.4.dist-info/METADATA": METADATA.encode(),
     })  # fmt: skip
     tree = sglang_bundle.sglang_tree(wheel, tmp_path)
@@ -118,6 +122,7 @@ def test_the_sglang_tree_leaves_out_the_skipped_members(tmp_path: Path) -> None:
         "sglang/__init__.py",
         DUAL_GEMM,
         "sglang/multimodal/keep.py",
+        IMPORTER,
         "sglang/srt/mem_cache/rust_tree_core/mem_cache.cpython-312-x86_64-linux-gnu.so",
         "sglang/srt/rust_extensions/loader.py",
     ]
@@ -127,9 +132,19 @@ def test_the_sglang_tree_leaves_out_the_skipped_members(tmp_path: Path) -> None:
 
 
 def test_a_wheel_without_a_member_a_standin_replaces_is_refused(tmp_path: Path) -> None:
-    wheel = _wheel(tmp_path / "sglang.whl", {"sglang/__init__.py": b""})
+    """The module that imports the member is there, the member is not: a release that moved
+    it needs its own check."""
+    wheel = _wheel(tmp_path / "sglang.whl", {"sglang/__init__.py": b"", IMPORTER: b""})
     with pytest.raises(sglang_bundle.BundleError, match=r"cutedsl_dual_gemm\.py to stand in for"):
         sglang_bundle.sglang_tree(wheel, tmp_path)
+
+
+def test_a_release_without_the_importer_packs_without_the_standin(tmp_path: Path) -> None:
+    """SGLang 0.5.20 has no dual GEMM: nothing to stand in for, its tree goes as it is."""
+    wheel = _wheel(tmp_path / "sglang.whl", {"sglang/__init__.py": b"x = 1\n"})
+    tree = sglang_bundle.sglang_tree(wheel, tmp_path)
+    assert _names(tree) == ["sglang/__init__.py"]
+    assert sglang_bundle.standins({"sglang/__init__.py"}) == {}
 
 
 def test_the_dual_gemm_standin_answers_as_upstream_before_blackwell(
