@@ -3,9 +3,12 @@
 Per model shape, one ``python -m sglang.launch_server`` per mode of ``--modes`` starts at
 once, each on its own port with the same KV capacity: ``--max-total-tokens`` is ``--kv-gib``
 of the model's KV bytes per token (upstream allocates that pool at start; elastic KV plans
-it as its logical capacity and maps pages as they fill), under a ``--mem-fraction-static``
-small enough for all servers to fit (``--mem-fraction-static``; SGLang takes that share of
-the GPU for weights and KV, then caps the KV at ``--max-total-tokens``):
+it as its logical capacity and maps pages as they fill), each under the same
+``--mem-fraction-static``. The KV is capped by ``--max-total-tokens`` whatever that share;
+the share must pass SGLang's start-up check, which wants the free memory it measured
+before loading, less the share, still free once its weights are in. Servers starting at
+once take memory from each other in between, so with several servers a small share fails
+("Raise --mem-fraction-static above ...") where a larger one passes:
 
 * ``off``: upstream code;
 * ``on``: ``--kvcore-elastic`` (with ``--kvcore-config`` when given);
@@ -177,8 +180,9 @@ def main(argv: list[str] | None = None) -> None:
         "--mem-fraction-static",
         type=float,
         default=0.4,
-        help="SGLang's share of the GPU per server (weights + KV; the KV is --kv-gib): keep "
-        "the servers' sum under 1",
+        help="SGLang's --mem-fraction-static for every server: the KV is --kv-gib whatever it "
+        "is; raise it when a server fails SGLang's start-up check beside the others "
+        "('Raise --mem-fraction-static above ...')",
     )
     parser.add_argument("--kvcore-config", default=None, help="--kvcore-config JSON (on side)")
     parser.add_argument(
