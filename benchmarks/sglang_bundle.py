@@ -131,15 +131,23 @@ def standins(names: set[str]) -> dict[str, Path]:
     return needed
 
 
+def wheel_standins(wheel: Path) -> dict[str, Path]:
+    """``standins`` of the members of ``wheel``; its ``BundleError`` names the wheel."""
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+    try:
+        return standins(names)
+    except BundleError as exc:
+        raise BundleError(f"{wheel.name}: {exc}") from None
+
+
 def sglang_tree(wheel: Path, dest: Path) -> Path:
     """``dest/sglang-py.tar.xz``: every member of the forked wheel but ``SKIPPED``, the
-    members ``standins`` names from their stand-ins. Raises ``BundleError`` as it does."""
+    members ``wheel_standins`` names from their stand-ins. Raises ``BundleError`` as it
+    does."""
     tree = dest / "sglang-py.tar.xz"
+    replaced = wheel_standins(wheel)
     with zipfile.ZipFile(wheel) as zf, tarfile.open(tree, "w:xz") as tar:
-        try:
-            replaced = standins(set(zf.namelist()))
-        except BundleError as exc:
-            raise BundleError(f"{wheel.name}: {exc}") from None
         for info in zf.infolist():
             if not info.is_dir() and not SKIPPED.match(info.filename):
                 name = info.filename
@@ -223,14 +231,9 @@ def main(argv: list[str] | None = None) -> None:
         "python": args.python,
         "sgl_kernel": f"{kernel.name}: Python files and dist-info only",
         "skipped": SKIPPED.pattern,
-        "standins": {m: str(p.relative_to(ROOT)) for m, p in _applied(wheel).items()},
+        "standins": {m: str(p.relative_to(ROOT)) for m, p in wheel_standins(wheel).items()},
         "wheels": [{"name": n, "version": v, "url": u} for n, v, u in pins],
     })  # fmt: skip
-
-
-def _applied(wheel: Path) -> dict[str, Path]:
-    with zipfile.ZipFile(wheel) as zf:
-        return standins(set(zf.namelist()))
 
 
 if __name__ == "__main__":
