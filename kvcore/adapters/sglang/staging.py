@@ -30,7 +30,8 @@ import torch
 __all__ = ["PinnedStaging"]
 
 HALF_IDS = 1 << 16
-"""Ids one half holds (512 KiB of int64): several decode steps' worth at a batch of 256."""
+"""Ids one half holds (512 KiB of int64): 256 decode steps at a batch of 256, or 16
+allocations of 4,096 scattered ids."""
 
 
 class Marker(Protocol):
