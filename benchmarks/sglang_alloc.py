@@ -230,6 +230,46 @@ def _profile(a: Any, cycle: Callable[[Any], None], iters: int, out: Path) -> Non
     out.write_text(f"{iters} cycles on {DEVICE}\n{table}\n")
 
 
+LEDGER_CALLS = ("alloc_split", "free_tensor", "free", "free_range")
+"""The ``BlockLedger`` methods ``--ledger-calls`` times: every way the adapters take ids
+from the ledger and give them back."""
+
+
+def _ledger_calls(a: Any, cycle: Callable[[Any], None], iters: int) -> dict[str, Any]:
+    """``iters`` cycles of the elastic allocator ``a`` with ``LEDGER_CALLS`` timed: per
+    method called, calls per cycle and us per call, and the cycle's own us."""
+    ledger = a.ledger
+    seconds = dict.fromkeys(LEDGER_CALLS, 0.0)
+    calls = dict.fromkeys(LEDGER_CALLS, 0)
+
+    def timed(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                seconds[name] += time.perf_counter() - start
+                calls[name] += 1
+
+        return call
+
+    for name in LEDGER_CALLS:  # instance attributes shadow the class's methods
+        setattr(ledger, name, timed(name, getattr(ledger, name)))
+    try:
+        cycle_s = _time(a, cycle, iters)[0]
+    finally:
+        for name in LEDGER_CALLS:
+            delattr(ledger, name)
+    out: dict[str, Any] = {"cycle_us": round(cycle_s * 1e6, 2)}
+    for name in LEDGER_CALLS:
+        if calls[name]:
+            out[name] = {
+                "calls_per_cycle": round(calls[name] / iters, 3),
+                "us_per_call": round(seconds[name] / calls[name] * 1e6, 2),
+            }
+    return out
+
+
 def measure(name: str, page_size: int, cycle: Callable[[Any], None], args: Any) -> dict[str, Any]:
     """One workload, both sides in turn: medians (us per cycle) and paired ratios."""
     engines = {mode: _stack(mode == "elastic", page_size) for mode in ("upstream", "elastic")}
@@ -245,6 +285,11 @@ def measure(name: str, page_size: int, cycle: Callable[[Any], None], args: Any) 
         if args.profile:
             for mode, e in engines.items():
                 _profile(e.allocator, cycle, args.iters, Path(args.profile) / f"{name}-{mode}.txt")
+        ledger_calls = (
+            _ledger_calls(engines["elastic"].allocator, cycle, args.iters)
+            if args.ledger_calls
+            else None
+        )
     finally:
         for e in engines.values():
             if e.scope is not None:
@@ -258,6 +303,8 @@ def measure(name: str, page_size: int, cycle: Callable[[Any], None], args: Any) 
         "elastic_caller_mapper_calls": after.caller_mapper_calls - before.caller_mapper_calls,
         "elastic_background_mapper_calls": after.refill_mapper_calls - before.refill_mapper_calls,
     }
+    if ledger_calls is not None:
+        row["elastic_ledger_calls"] = ledger_calls
     for i, clock in enumerate(("wall", "cpu")):
         up = [r[i] for r in runs["upstream"]]
         el = [r[i] for r in runs["elastic"]]
@@ -293,6 +340,11 @@ def main() -> None:
         help="after the timed runs, profile --iters cycles of each side into "
         "DIR/<workload>-<side>.txt",
     )
+    parser.add_argument(
+        "--ledger-calls",
+        action="store_true",
+        help="after the timed runs, time the elastic side's ledger calls over --iters cycles",
+    )
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -320,7 +372,16 @@ def main() -> None:
             f"{r['elastic_caller_mapper_calls'] * per_k:.1f} | "
             f"{r['elastic_background_mapper_calls'] * per_k:.1f}",
         )
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for r in rows:
+        for method, got in r.get("elastic_ledger_calls", {}).items():
+            if method != "cycle_us":
+                console.print(
+                    f"{r['workload']}: ledger.{method} {got['calls_per_cycle']:.2f} calls a cycle, "
+                    f"{got['us_per_call']:.1f} us a call (cycle "
+                    f"{r['elastic_ledger_calls']['cycle_us']:.1f} us)"
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
