@@ -679,43 +679,22 @@ class BlockLedger:
     def _return_shares(self, ids: Sequence[int], ends: Iterable[int], fence: int | None) -> None:
         """The ascending ids ``ids`` were just freed (states written): page by page (each
         page's share is ``ids[previous end : end]``, ``ends`` ascending) push them on the
-        page's free stack and move it to its new bucket, or release it when it is now empty;
-        count them off ``_used``. The loop body is ``_rebucket`` written out: a free of a
-        request's scattered ids touches tens of pages, and this loop is most of its cost.
-        Caller holds ``_lock``."""
+        page's free stack and rebucket it, or release it when it is now empty; count them
+        off ``_used``. Caller holds ``_lock``."""
         bpp = self._bpp
         stacks = self._stacks
-        buckets = self._buckets
-        bucket_of = self._bucket_of
-        capacity = self._capacity
-        nonempty = self._nonempty
         held_free = self._held_free + len(ids)
         emptied: list[int] = []
         i = 0
         for j in ends:
             p = ids[i] // bpp
-            stack = stacks[p]
-            now = len(stack) + j - i
-            was = bucket_of[p]  # 0 (full) or a bucket: the page holds the ids just freed
-            if was:
-                bucket = buckets[was]
-                del bucket[p]
-                if not bucket:
-                    nonempty &= ~(1 << was)
-            if now == capacity[p]:  # no block left on it: stop holding it
-                stacks[p] = self._new_stack()
-                bucket_of[p] = _NOT_HELD
+            now = len(stacks[p]) + j - i
+            if self._rebucket(p, now):
                 held_free -= now
                 emptied.append(p)
             else:
-                bucket = buckets[now]
-                if not bucket:
-                    nonempty |= 1 << now
-                bucket[p] = None
-                bucket_of[p] = now
-                stack.extend(ids[i:j])
+                stacks[p].extend(ids[i:j])
             i = j
-        self._nonempty = nonempty
         self._used -= len(ids)
         self._held_free = held_free
         if emptied:
