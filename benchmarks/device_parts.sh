@@ -2,16 +2,17 @@
 #
 # The sourcing script sets DEV (the folder a bundle installs into, kept while the machine
 # stays warm) and defines `member FILE`, which installs one bundle member (`shared_member`
-# installs the dependency wheels into $DEV/site and the model directories into $DEV). `unpack PART`
-# extracts a part and hands each member to `member`; a file the bundle split into pieces
-# (NAME.K-of-N, in different parts, benchmarks/vllm_bundle.py's split_member) is kept under
-# $DEV/pieces and joined and installed once its last piece is here. $DEV/parts lists the
-# parts unpacked so far (`status`). `pack DIR` folds what a call wrote under DIR (the device
-# tool's $OUT) into one DIR/results.tar: the tool brings back at most 8 files.
+# installs the dependency wheels, wheels.tar.xz or an older bundle's wheels.tar, into
+# $DEV/site and the model directories into $DEV). `unpack PART` extracts a part and hands
+# each member to `member`; a file the bundle split into pieces (NAME.K-of-N, in different
+# parts, benchmarks/vllm_bundle.py's split_member) is kept under $DEV/pieces and joined and
+# installed once its last piece is here. $DEV/parts lists the parts unpacked so far
+# (`status`). `pack DIR` folds what a call wrote under DIR (the device tool's $OUT) into one
+# DIR/results.tar: the tool brings back at most 8 files.
 
-shared_member() {  # wheels.tar and models.tar.xz, which every bundle has
+shared_member() {  # the wheels and models.tar.xz, which every bundle has
   case "$1" in
-    */wheels.tar)
+    */wheels.tar | */wheels.tar.xz)  # .xz: the wheels stored, one stream over them all
       tar -xf "$1" -C "$tmp"
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --target "$DEV/site" "$tmp"/wheels/*.whl ;;

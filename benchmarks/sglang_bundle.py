@@ -16,7 +16,7 @@ installs a part there, one part per call, the calls back to back. What goes in:
 * ``sgl_kernel-py.tar.xz``: sglang-kernel's Python files and dist-info (SGLang checks its
   version through ``importlib.metadata``), no binaries: ``pack_sgl_kernel.sh --no-binary``'s
   selection;
-* ``wheels.tar``: target-platform wheels of SGLang's runtime requirements that the image
+* ``wheels.tar.xz``: target-platform wheels of SGLang's runtime requirements that the image
   lacks, resolved by pip and pinned in the manifest (``NOT_CARRIED`` and
   ``vllm_bundle.IMAGE`` left out), and ``vllm_bundle.TOOLS`` (py-spy, for the serving
   benchmark's ``--py-spy``);

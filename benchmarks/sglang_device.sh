@@ -27,7 +27,7 @@ source "$repo/benchmarks/device_parts.sh"
 member() {  # install one bundle member (a file under $tmp)
   local f=$1
   case "$f" in
-    */wheels.tar | */models.tar.xz) shared_member "$f" ;;
+    */wheels.tar | */wheels.tar.xz | */models.tar.xz) shared_member "$f" ;;
     */sglang-py.tar.xz | */sgl_kernel-py.tar.xz) tar -xJf "$f" -C "$SGDEV/site" ;;
     *) echo "sglang_device.sh: unknown bundle member $f" >&2; exit 2 ;;
   esac

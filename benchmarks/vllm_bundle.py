@@ -349,13 +349,30 @@ def pack_parts(files: list[Path], out: Path, limit: int) -> list[list[Path]]:
 
 
 def wheels_member(wheels: list[Path], dest: Path) -> Path:
-    """``dest/wheels.tar``: ``wheels`` under ``wheels/`` (the device script installs them
-    with pip, no index, no dependencies); its path."""
-    out = dest / "wheels.tar"
-    with tarfile.open(out, "w") as tar:
+    """``dest/wheels.tar.xz``: ``wheels`` under ``wheels/``, each rewritten with its members
+    stored instead of deflated (the same names, bytes and ``RECORD``: a wheel pip installs as
+    before), so that one xz stream compresses across all of them, which deflated members do
+    not allow; the device script installs them with pip, no index, no dependencies. Returns
+    its path. Prints a line first: xz's highest preset takes minutes on a small machine."""
+    out = dest / "wheels.tar.xz"
+    print(f"wheels.tar.xz: {len(wheels)} wheels, stored and compressed with xz -9", flush=True)
+    with tarfile.open(out, "w:xz", preset=9) as tar:
         for w in wheels:
-            tar.add(w, arcname=f"wheels/{w.name}")
+            data = _stored_wheel(w)
+            info = tarfile.TarInfo(f"wheels/{w.name}")
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
     return out
+
+
+def _stored_wheel(wheel: Path) -> bytes:
+    """``wheel``'s bytes with every member stored (``ZIP_STORED``), in the same order with the
+    same names, dates and permission bits."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            dst.writestr(info, src.read(info), compress_type=zipfile.ZIP_STORED)
+    return buf.getvalue()
 
 
 def write_parts(

@@ -27,7 +27,7 @@ source "$repo/benchmarks/device_parts.sh"
 member() {  # install one bundle member (a file under $tmp)
   local f=$1 dest
   case "$f" in
-    */wheels.tar | */models.tar.xz) shared_member "$f" ;;
+    */wheels.tar | */wheels.tar.xz | */models.tar.xz) shared_member "$f" ;;
     */vllm-py.tar.xz) tar -xJf "$f" -C "$KVDEV/site" ;;
     *.so.xz)  # the file name is the module's path with / written as %
       dest="$KVDEV/site/$(basename "$f" .xz | tr '%' '/')"

@@ -5,10 +5,13 @@ output into one tar there."""
 
 from __future__ import annotations
 
+import io
 import lzma
 import os
 import subprocess
+import sys
 import tarfile
+import zipfile
 from pathlib import Path
 
 from benchmarks import vllm_bundle
@@ -117,3 +120,61 @@ def test_pack_folds_a_calls_output_into_one_tar_and_adds_to_it(tmp_path: Path) -
     assert names == sorted(
         [f"./run-{i}.json" for i in range(10)] + ["./pyspy/scheduler.txt", "./late.log"]
     )
+
+
+def _wheel(path: Path, name: str, module: bytes) -> Path:
+    """A small pure-Python wheel with its members deflated, as wheels come from the index."""
+    info = f"{name}-1.0.dist-info"
+    files = {
+        f"{name}.py": module,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n".encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{f},,\n" for f in [*files, f"{info}/RECORD"]).encode()
+    wheel = path / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as zf:
+        for f, data in files.items():
+            zf.writestr(f, data)
+    return wheel
+
+
+def test_the_wheels_travel_stored_in_one_xz_stream_and_install_as_before(
+    tmp_path: Path,
+) -> None:
+    """``wheels.tar.xz`` holds each wheel with its members stored, not deflated (so that xz
+    compresses across wheels): the same names and bytes; split over two parts and unpacked
+    there in reverse order, pip installs them into the site as it did the deflated ones."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    modules = {f"kvcore_probe_{i}": os.urandom(40_000).hex().encode() for i in range(2)}
+    wheels = [_wheel(cache, name, body) for name, body in modules.items()]
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    member = vllm_bundle.wheels_member(wheels, staged)
+    assert member.name == "wheels.tar.xz"
+    with tarfile.open(member) as tar:
+        assert tar.getnames() == [f"wheels/{w.name}" for w in wheels]
+        for w in wheels:
+            carried = zipfile.ZipFile(io.BytesIO(tar.extractfile(f"wheels/{w.name}").read()))  # type: ignore[union-attr]
+            original = zipfile.ZipFile(w)
+            assert [i.filename for i in carried.infolist()] == original.namelist()
+            assert {i.compress_type for i in carried.infolist()} == {zipfile.ZIP_STORED}
+            assert all(carried.read(n) == original.read(n) for n in original.namelist())
+    out = tmp_path / "out"
+    out.mkdir()
+    tars = [
+        out / f"part-{i}.tar"
+        for i, _ in enumerate(vllm_bundle.pack_parts([member], out, 48 << 10), 1)
+    ]
+    assert len(tars) >= 2
+    sgdev = tmp_path / "sgdev"
+    env = {
+        **os.environ,
+        "SGDEV": str(sgdev),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+    for tar in reversed(tars):
+        subprocess.run(["bash", str(ROOT / "benchmarks" / "sglang_device.sh"), "unpack", str(tar)],
+                       env=env, check=True, capture_output=True)  # fmt: skip
+    for name, body in modules.items():
+        assert (sgdev / "site" / f"{name}.py").read_bytes() == body
