@@ -34,7 +34,6 @@ no member the bundle needs.
 from __future__ import annotations
 
 import argparse
-import io
 import re
 import shutil
 import sys
@@ -46,6 +45,7 @@ from benchmarks.vllm_bundle import (
     IMAGE,
     LOCAL_MODULES,
     TOOLS,
+    add_bytes,
     checkout_bytes,
     default_part_mib,
     download_wheels,
@@ -114,12 +114,6 @@ def carried(name: str) -> bool:
     return name not in IMAGE and not NOT_CARRIED.match(name)
 
 
-def _add(tar: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) -> None:
-    member = tarfile.TarInfo(name)
-    member.size, member.mode = len(data), mode
-    tar.addfile(member, io.BytesIO(data))
-
-
 def standins(names: set[str]) -> dict[str, Path]:
     """The ``STANDINS`` that apply to a wheel with members ``names``: those whose importer
     (``IMPORTERS``) it has. Raises ``BundleError`` naming a member the wheel lacks while it
@@ -153,7 +147,7 @@ def sglang_tree(wheel: Path, dest: Path) -> Path:
                 name = info.filename
                 mode = 0o755 if name.endswith(".so") else 0o644
                 data = replaced[name].read_bytes() if name in replaced else zf.read(info)
-                _add(tar, name, data, mode)
+                add_bytes(tar, name, data, mode)
     return tree
 
 
@@ -172,7 +166,7 @@ def kernel_tree(wheel: Path, dest: Path) -> Path:
         tree = dest / "sgl_kernel-py.tar.xz"
         with tarfile.open(tree, "w:xz") as tar:
             for name in names:
-                _add(tar, name, zf.read(name))
+                add_bytes(tar, name, zf.read(name))
     return tree
 
 

@@ -258,12 +258,15 @@ def _python_tree(wheel: Path, dest: Path, cache: Path) -> tuple[Path, list[Path]
                 shutil.copy(cached, out)
                 bigs.append(out)
                 continue
-            data = zf.read(info)
-            member = tarfile.TarInfo(name)
-            member.size = len(data)
-            member.mode = 0o755 if name.endswith(".so") else 0o644
-            tar.addfile(member, io.BytesIO(data))
+            add_bytes(tar, name, zf.read(info), 0o755 if name.endswith(".so") else 0o644)
     return tree, bigs
+
+
+def add_bytes(tar: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) -> None:
+    """Write ``data`` into the open ``tar`` as the regular file ``name`` with ``mode``."""
+    member = tarfile.TarInfo(name)
+    member.size, member.mode = len(data), mode
+    tar.addfile(member, io.BytesIO(data))
 
 
 def models_member(dest: Path) -> Path:
@@ -358,10 +361,7 @@ def wheels_member(wheels: list[Path], dest: Path) -> Path:
     print(f"wheels.tar.xz: {len(wheels)} wheels, stored and compressed with xz -9", flush=True)
     with tarfile.open(out, "w:xz", preset=9) as tar:
         for w in wheels:
-            data = _stored_wheel(w)
-            info = tarfile.TarInfo(f"wheels/{w.name}")
-            info.size, info.mode = len(data), 0o644
-            tar.addfile(info, io.BytesIO(data))
+            add_bytes(tar, f"wheels/{w.name}", _stored_wheel(w))
     return out
 
 
