@@ -353,10 +353,11 @@ def pack_parts(files: list[Path], out: Path, limit: int) -> list[list[Path]]:
 
 def wheels_member(wheels: list[Path], dest: Path) -> Path:
     """``dest/wheels.tar.xz``: ``wheels`` under ``wheels/``, each rewritten with its members
-    stored instead of deflated (the same names, bytes and ``RECORD``: a wheel pip installs as
-    before), so that one xz stream compresses across all of them, which deflated members do
-    not allow; the device script installs them with pip, no index, no dependencies. Returns
-    its path. Prints a line first: xz's highest preset takes minutes on a small machine."""
+    stored instead of deflated and without static libraries (``_stored_wheel``: a wheel pip
+    installs as before), so that one xz stream compresses across all of them, which deflated
+    members do not allow; the device script installs them with pip, no index, no
+    dependencies. Returns its path. Prints a line first: xz's highest preset takes minutes on
+    a small machine."""
     out = dest / "wheels.tar.xz"
     print(f"wheels.tar.xz: {len(wheels)} wheels, stored and compressed with xz -9", flush=True)
     with tarfile.open(out, "w:xz", preset=9) as tar:
@@ -367,12 +368,24 @@ def wheels_member(wheels: list[Path], dest: Path) -> Path:
 
 def _stored_wheel(wheel: Path) -> bytes:
     """``wheel``'s bytes with every member stored (``ZIP_STORED``), in the same order with the
-    same names, dates and permission bits."""
+    same names, dates and permission bits, except static libraries (``*.a``) and their
+    ``RECORD`` lines: only a build links against them, never an import (xgrammar 0.2.1 ships
+    a 65 MB ``libxgrammar.a`` beside the bindings it loads)."""
     buf = io.BytesIO()
     with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as dst:
         for info in src.infolist():
-            dst.writestr(info, src.read(info), compress_type=zipfile.ZIP_STORED)
+            if _static_library(info.filename):
+                continue
+            data = src.read(info)
+            if info.filename.endswith(".dist-info/RECORD"):
+                lines = data.decode().splitlines(keepends=True)
+                data = "".join(x for x in lines if not _static_library(x.split(",")[0])).encode()
+            dst.writestr(info, data, compress_type=zipfile.ZIP_STORED)
     return buf.getvalue()
+
+
+def _static_library(member: str) -> bool:
+    return member.endswith(".a")
 
 
 def write_parts(

@@ -122,11 +122,13 @@ def test_pack_folds_a_calls_output_into_one_tar_and_adds_to_it(tmp_path: Path) -
     )
 
 
-def _wheel(path: Path, name: str, module: bytes) -> Path:
-    """A small pure-Python wheel with its members deflated, as wheels come from the index."""
+def _wheel(path: Path, name: str, module: bytes, extra: dict[str, bytes] | None = None) -> Path:
+    """A small pure-Python wheel with its members deflated, as wheels come from the index;
+    ``extra``: more members (path -> bytes), listed in its ``RECORD`` too."""
     info = f"{name}-1.0.dist-info"
     files = {
         f"{name}.py": module,
+        **(extra or {}),
         f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n".encode(),
         f"{info}/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
@@ -143,11 +145,13 @@ def test_the_wheels_travel_stored_in_one_xz_stream_and_install_as_before(
 ) -> None:
     """``wheels.tar.xz`` holds each wheel with its members stored, not deflated (so that xz
     compresses across wheels): the same names and bytes; split over two parts and unpacked
-    there in reverse order, pip installs them into the site as it did the deflated ones."""
+    there in reverse order, pip installs them into the site as it did the deflated ones.
+    A static library, which only a build links against, stays behind with its RECORD line."""
     cache = tmp_path / "cache"
     cache.mkdir()
     modules = {f"kvcore_probe_{i}": os.urandom(40_000).hex().encode() for i in range(2)}
-    wheels = [_wheel(cache, name, body) for name, body in modules.items()]
+    archive = {"kvcore_probe_lib/libprobe.a": b"!<arch>\n" + os.urandom(4_000)}
+    wheels = [_wheel(cache, name, body, archive) for name, body in modules.items()]
     staged = tmp_path / "staged"
     staged.mkdir()
     member = vllm_bundle.wheels_member(wheels, staged)
@@ -157,9 +161,12 @@ def test_the_wheels_travel_stored_in_one_xz_stream_and_install_as_before(
         for w in wheels:
             carried = zipfile.ZipFile(io.BytesIO(tar.extractfile(f"wheels/{w.name}").read()))  # type: ignore[union-attr]
             original = zipfile.ZipFile(w)
-            assert [i.filename for i in carried.infolist()] == original.namelist()
+            kept = [n for n in original.namelist() if n not in archive]
+            assert [i.filename for i in carried.infolist()] == kept
             assert {i.compress_type for i in carried.infolist()} == {zipfile.ZIP_STORED}
-            assert all(carried.read(n) == original.read(n) for n in original.namelist())
+            record = next(n for n in kept if n.endswith("RECORD"))
+            assert carried.read(record).decode().splitlines() == [f"{n},," for n in kept]
+            assert all(carried.read(n) == original.read(n) for n in kept if n != record)
     out = tmp_path / "out"
     out.mkdir()
     tars = [
@@ -178,3 +185,4 @@ def test_the_wheels_travel_stored_in_one_xz_stream_and_install_as_before(
                        env=env, check=True, capture_output=True)  # fmt: skip
     for name, body in modules.items():
         assert (sgdev / "site" / f"{name}.py").read_bytes() == body
+    assert not (sgdev / "site" / "kvcore_probe_lib").exists()
