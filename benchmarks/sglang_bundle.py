@@ -145,9 +145,8 @@ def sglang_tree(wheel: Path, dest: Path) -> Path:
         for info in zf.infolist():
             if not info.is_dir() and not SKIPPED.match(info.filename):
                 name = info.filename
-                mode = 0o755 if name.endswith(".so") else 0o644
                 data = replaced[name].read_bytes() if name in replaced else zf.read(info)
-                add_bytes(tar, name, data, mode)
+                add_bytes(tar, name, data)
     return tree
 
 

@@ -258,14 +258,15 @@ def _python_tree(wheel: Path, dest: Path, cache: Path) -> tuple[Path, list[Path]
                 shutil.copy(cached, out)
                 bigs.append(out)
                 continue
-            add_bytes(tar, name, zf.read(info), 0o755 if name.endswith(".so") else 0o644)
+            add_bytes(tar, name, zf.read(info))
     return tree, bigs
 
 
-def add_bytes(tar: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) -> None:
-    """Write ``data`` into the open ``tar`` as the regular file ``name`` with ``mode``."""
+def add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    """Write ``data`` into the open ``tar`` as the regular file ``name``: executable when it
+    is a shared object (``.so``), as a wheel installs it, else read-write."""
     member = tarfile.TarInfo(name)
-    member.size, member.mode = len(data), mode
+    member.size, member.mode = len(data), 0o755 if name.endswith(".so") else 0o644
     tar.addfile(member, io.BytesIO(data))
 
 
