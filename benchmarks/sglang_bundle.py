@@ -81,6 +81,18 @@ longer serves, only by the Kimi linear-attention prefill kernels), DeepSeek-spec
 and MLA kernels (0.5.20's ``tokenspeed_mla`` backend, imported only where it is installed,
 and its 95 MB Triton fork) and video decoders."""
 
+IMPORT_ONLY = {"0.5.20": ("flashinfer-python",)}
+"""Per SGLang release, ``NOT_CARRIED`` distributions it imports at module level on CUDA
+although the served path never calls them: their wheel alone travels, at the release's own
+pin, without its requirements. 0.5.20's ``sglang/srt/layers/quantization/fp8_utils.py``
+imports ``flashinfer.bmm_fp8`` under ``if _is_cuda:`` (0.5.23 guards it with
+``is_flashinfer_available()``), and the memory pool imports that module, so no server
+starts without flashinfer. Importing it needs only packages the image or the bundle
+provides (tvm-ffi, pynvml, einops, ...); its kernel requirements (the CUTLASS DSL,
+cuDNN frontend, cuda-tile, nccl4py) load only when one of its kernels is built, which
+``--attention-backend triton --sampling-backend pytorch`` never asks for. A flashinfer op
+that is called anyway fails by name, it does not compute wrongly."""
+
 SKIPPED = re.compile(
     r"^sglang/(multimodal_gen/|srt/rust_extensions/_(server|grpc|bench|multimodal)\.)"
 )
@@ -169,16 +181,18 @@ def kernel_tree(wheel: Path, dest: Path) -> Path:
     return tree
 
 
-def _kernel_pin(wheel: Path) -> str:
+def _pin(wheel: Path, name: str) -> str:
+    """The version ``wheel`` pins ``name`` to (``Requires-Dist: name==V``, any extras).
+    Raises ``BundleError`` when it pins none."""
     from packaging.requirements import Requirement
 
     for line in wheel_metadata(wheel).splitlines():
         if line.startswith("Requires-Dist: "):
             req = Requirement(line.removeprefix("Requires-Dist: "))
             pins = [s.version for s in req.specifier if s.operator == "=="]
-            if norm_name(req.name) == KERNEL and pins:
+            if norm_name(req.name) == norm_name(name) and pins:
                 return pins[0]
-    raise BundleError(f"{wheel.name}: no {KERNEL}==V requirement")
+    raise BundleError(f"{wheel.name}: no {name}==V requirement")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -211,8 +225,10 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(exist_ok=True)
     reqs = [*requirements(wheel_metadata(wheel), args.python, carried), *TOOLS]
     pins = resolve(reqs, args.python, work, carried)
-    kernel_version = _kernel_pin(wheel)
+    kernel_version = _pin(wheel, KERNEL)
     kernel = download_wheels([(KERNEL, kernel_version, "")], args.python, work / "kernel")[0]
+    import_only = [(n, _pin(wheel, n), "") for n in IMPORT_ONLY.get(args.version, ())]
+    pins = [*pins, *import_only]
     wheels = download_wheels(pins, args.python, work / "wheels")
     staged = work / "staged"
     shutil.rmtree(staged, ignore_errors=True)
@@ -225,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         "sgl_kernel": f"{kernel.name}: Python files and dist-info only",
         "skipped": SKIPPED.pattern,
         "standins": {m: str(p.relative_to(ROOT)) for m, p in wheel_standins(wheel).items()},
+        "import_only": [f"{n}=={v}: the wheel alone" for n, v, _ in import_only],
         "wheels": [{"name": n, "version": v, "url": u} for n, v, u in pins],
     })  # fmt: skip
 

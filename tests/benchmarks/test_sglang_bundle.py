@@ -202,12 +202,19 @@ def test_the_kernel_tree_takes_python_files_and_dist_info_only(tmp_path: Path) -
         sglang_bundle.kernel_tree(empty, tmp_path / "x")
 
 
-def test_the_kernel_pin_is_read_from_the_wheel(tmp_path: Path) -> None:
+def test_pins_are_read_from_the_wheel(tmp_path: Path) -> None:
     wheel = _wheel(tmp_path / "s.whl", {"sglang-0.5.23.dist-info/METADATA": METADATA.encode()})
-    assert sglang_bundle._kernel_pin(wheel) == "0.4.10"
+    assert sglang_bundle._pin(wheel, sglang_bundle.KERNEL) == "0.4.10"
+    assert sglang_bundle._pin(wheel, "flashinfer-python") == "0.7.2"  # written with _, extras
     bare = _wheel(tmp_path / "b.whl", {"sglang-0.5.23.dist-info/METADATA": b"Name: sglang\n"})
-    with pytest.raises(sglang_bundle.BundleError):
-        sglang_bundle._kernel_pin(bare)
+    with pytest.raises(sglang_bundle.BundleError, match="sglang-kernel==V"):
+        sglang_bundle._pin(bare, sglang_bundle.KERNEL)
+
+
+def test_import_only_distributions_are_otherwise_not_carried() -> None:
+    # resolved like the others, they would bring their kernel requirements along
+    for names in sglang_bundle.IMPORT_ONLY.values():
+        assert names and not any(sglang_bundle.carried(n) for n in names)
 
 
 def _xz_tar(path: Path, files: dict[str, bytes]) -> Path:
