@@ -28,7 +28,10 @@ class ElasticConfig:
     ``share_bytes`` (with ``gpu_ledger``): what this instance keeps while instances sharing
     the GPU borrow beyond theirs (``None``: an equal part of the GPU budget;
     ``kvcore.budget.shares``, ``kvctl share`` changes it while serving).
-    ``reserve_min``/``reserve_max``: pre-mapped idle pages kept for bursts.
+    ``reserve_min``/``reserve_max``: pre-mapped idle pages kept for bursts. ``map_ahead``:
+    pages a growing engine finds mapped ahead by the background thread, kept only while it
+    keeps acquiring (``kvcore.memory.pages``; 0, the default: every new page is mapped on
+    the allocating thread unless the reserve holds one).
     ``max_cached_tokens``: bound on the radix cache's evictable tokens (``None``: unbounded,
     as upstream). ``eviction``: radix-cache eviction order, ``"page-aware"`` (leaves that empty
     physical pages first) or ``"engine"`` (the engine's own order); ``None``: page-aware
@@ -54,6 +57,7 @@ class ElasticConfig:
     ledger_dir: str | None = None
     reserve_min: int = 0
     reserve_max: int = 0
+    map_ahead: int = 0
     max_cached_tokens: int | None = None
     eviction: str | None = None
     reclaim: str | None = None
@@ -92,7 +96,7 @@ class ElasticConfig:
         kwargs: dict[str, Any] = dict(value)
         for name in ("limit_bytes", "share_bytes", "max_cached_tokens", "page_bytes"):
             _check_int(kwargs, name, optional=True)
-        for name in ("reserve_min", "reserve_max"):
+        for name in ("reserve_min", "reserve_max", "map_ahead"):
             _check_int(kwargs, name, optional=False)
         if not isinstance(kwargs.get("backend", "cuda"), str):
             raise UnsupportedConfiguration("--kvcore-config: backend must be a string")

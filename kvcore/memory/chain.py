@@ -114,6 +114,7 @@ class MemoryChain:
         pool_pages: int | None = None,
         reserve_min: int = 0,
         reserve_max: int = 0,
+        map_ahead: int = 0,
         label: str = "",
     ) -> MemoryChain:
         """Build the chain (module docstring), step by step:
@@ -126,7 +127,8 @@ class MemoryChain:
            mapper's default idle handle pool, at most 256 MiB);
         4. the gate: ``gate``, or ``open_gate(backend, geometry)``; with neither the chain
            ends here (no allocator);
-        5. ``PageAllocator(mapper, gate)`` with the reserve bounds clipped to the page count;
+        5. ``PageAllocator(mapper, gate)`` with the reserve bounds and ``map_ahead`` clipped to
+           the page count;
         6. ``ledger(geometry, pages)`` when a factory is given.
 
         ``owns_*``: whether ``close`` (and a failed build) closes a part handed in; parts the
@@ -157,6 +159,7 @@ class MemoryChain:
                     gate,
                     reserve_min=min(reserve_min, plan.num_pages),
                     reserve_max=min(reserve_max, plan.num_pages),
+                    map_ahead=min(map_ahead, plan.num_pages),
                 )
                 if ledger is not None:
                     made = ledger(plan, pages)

@@ -21,7 +21,17 @@ gate's ``reserve_target`` says so); a background thread keeps at least ``reserve
 by mapping ahead, more when demand asks for it: with ``reserve_min > 0`` the refill target
 is twice the largest ``acquire`` seen within ``demand_window`` seconds (two bursts' worth),
 between ``reserve_min`` and the reserve's cap, so a burst is covered without keeping
-``reserve_max`` mapped while demand is low (``reserve_min=0`` never maps ahead). A
+``reserve_max`` mapped while demand is low (``reserve_min=0`` never maps ahead). An
+``acquire`` at least as large as the demand renews its window; without one the demand
+halves each window.
+
+Mapping ahead of a growing engine. ``map_ahead`` pages (0: off) let an engine that grows
+find its next pages mapped by the background thread, without keeping memory once it stops:
+while there is demand the refill target may reach ``map_ahead`` (twice the demand, as
+above) and the reserve keeps that many idle pages even beyond ``reserve_max``; once the
+demand has decayed to nothing, the pages beyond ``reserve_max`` are unmapped. With
+``reserve_min=0`` nothing is mapped ahead before the first ``acquire``, which maps on the
+calling thread. A
 background round refills before it unmaps: an unmap first waits for the device to finish
 its queued work, which would hold the refill back by up to a step. While the reserve covers
 demand, ``acquire`` and ``release`` make no mapper (hence no driver) call on the calling
@@ -245,6 +255,8 @@ class PageAllocator:
 
     ``gate`` admits every byte mapped (default: an ``UnlimitedGate``). ``reserve_min`` /
     ``reserve_max`` bound the reserve in pages (``0 <= reserve_min <= reserve_max``);
+    ``map_ahead`` how many pages a growing engine may find mapped ahead (module docstring;
+    ``0 <= map_ahead <= num_pages``);
     ``retry_interval`` is how long (seconds of ``clock``) background rounds wait before
     mapping again after a miss (doubling per further miss, up to 20x, while the batch
     halves) and before unmapping again after a failed unmap (likewise doubling);
@@ -268,6 +280,7 @@ class PageAllocator:
         *,
         reserve_min: int = 0,
         reserve_max: int = 0,
+        map_ahead: int = 0,
         retry_interval: float = 0.05,
         poll_interval: float = 0.25,
         refill_batch: int = 8,
@@ -283,6 +296,10 @@ class PageAllocator:
             raise ValueError(
                 f"page allocator: need 0 <= reserve_min ({reserve_min}) <= reserve_max "
                 f"({reserve_max}) <= num_pages ({num_pages})"
+            )
+        if not 0 <= map_ahead <= num_pages:
+            raise ValueError(
+                f"page allocator: need 0 <= map_ahead ({map_ahead}) <= num_pages ({num_pages})"
             )
         self._mapper = mapper
         self._gate: MemoryGate = gate if gate is not None else UnlimitedGate()
@@ -313,6 +330,8 @@ class PageAllocator:
         self._demand_since = clock()
         self._refill_goal = reserve_min  # _refill_target_locked() before the gate's cap
         self._reserve_max = reserve_max
+        self._map_ahead = map_ahead
+        self._tracks_demand = bool(reserve_min or map_ahead)
         self._retry_interval = retry_interval
         self._poll_interval = poll_interval
 
@@ -329,6 +348,7 @@ class PageAllocator:
         self._pooled = 0  # mapper.pooled_pages after its last call; written under _mapper_lock
         self._trim_pool = False  # trim() asked the background thread to drop the pool
         self._reserve_cap = reserve_max  # gate-approved reserve size, refreshed off-thread
+        self._ahead_cap = map_ahead  # gate-approved map_ahead, refreshed with _reserve_cap
         self._refill_paused = False  # set by trim() until the next acquire
         self._retry_at = 0.0  # no background map before this time (of _clock)
         self._backoff = retry_interval  # doubles on each background miss, up to 20x
@@ -427,7 +447,7 @@ class PageAllocator:
                 self._check_usable()
             self._refill_paused = False
             reserve = self._reserve
-            if n > self._demand and self._reserve_min:  # a larger burst: the target follows
+            if n >= self._demand and self._tracks_demand:  # renewed, or a larger burst
                 self._note_demand_locked(n)
             if self._held_back:  # over what the gate allows: idle pages go back, not in use
                 reserve = []
@@ -882,7 +902,7 @@ class PageAllocator:
         """Released pages (marked ``_RELEASING``, checked by the caller) go to the reserve up
         to its cap, the rest to the unmap queue. Caller holds ``_lock``."""
         state = self._state
-        room = self._reserve_cap - len(self._reserve)
+        room = self._keep_locked() - len(self._reserve)
         if room >= len(pages):
             for p in pages:
                 state[p] = _RESERVED
@@ -931,25 +951,42 @@ class PageAllocator:
         self._wake.notify()
 
     def _idle_locked(self) -> bool:
-        if self._unmap_queue or self._trim_pool or len(self._reserve) > self._reserve_cap:
+        if self._unmap_queue or self._trim_pool or len(self._reserve) > self._keep_locked():
             return False
         return self._refill_deficit_locked() == 0 or self._refill_blocked_locked()
 
     def _note_demand_locked(self, n: int) -> None:
-        """Raise the refill goal to twice ``n`` pages (within ``reserve_min`` ..
-        ``reserve_max``) for ``demand_window`` seconds. Caller holds ``_lock``."""
+        """Set the demand to ``n`` pages and the refill goal to twice that (within
+        ``reserve_min`` .. ``max(reserve_max, map_ahead)``) for ``demand_window`` seconds.
+        Caller holds ``_lock``."""
         self._demand = n
         self._demand_since = self._clock()
-        self._refill_goal = min(max(self._reserve_min, 2 * n), self._reserve_max)
+        self._refill_goal = self._goal_for_locked(n)
+
+    def _goal_for_locked(self, demand: int) -> int:
+        ceiling = max(self._reserve_max, self._map_ahead) if demand else self._reserve_max
+        return min(max(self._reserve_min, 2 * demand), ceiling)
+
+    def _keep_locked(self) -> int:
+        """How many idle pages the reserve may hold now: the gate-approved reserve, and while
+        there is demand at least the gate-approved ``map_ahead``. Caller holds ``_lock``."""
+        if self._ahead_cap > self._reserve_cap:
+            self._decay_demand_locked()
+            if self._demand:
+                return self._ahead_cap
+        return self._reserve_cap
+
+    def _decay_demand_locked(self) -> None:
+        if self._demand and self._clock() - self._demand_since > self._demand_window:
+            self._demand //= 2  # demand fell: the goal decays, one halving per window
+            self._demand_since = self._clock()
+            self._refill_goal = self._goal_for_locked(self._demand)
 
     def _refill_target_locked(self) -> int:
         if self._refill_paused:
             return 0
-        if self._demand and self._clock() - self._demand_since > self._demand_window:
-            self._demand //= 2  # demand fell: the goal decays, one halving per window
-            self._demand_since = self._clock()
-            self._refill_goal = min(max(self._reserve_min, 2 * self._demand), self._reserve_max)
-        return min(self._refill_goal, self._reserve_cap)
+        self._decay_demand_locked()
+        return min(self._refill_goal, self._keep_locked())
 
     def _refill_deficit_locked(self) -> int:
         return max(self._refill_target_locked() - len(self._reserve), 0)
@@ -1213,17 +1250,19 @@ class PageAllocator:
         """One round of background work (module docstring), ``_busy`` set by the caller:
         the background thread, or ``run_round``."""
         pb = self._page_bytes
-        wanted = self._reserve_max + self._pooled  # idle pages: the reserve, then the pool
+        # idle pages: the reserve (or what is mapped ahead), then the pool
+        wanted = max(self._reserve_max, self._map_ahead) + self._pooled
         allowed = max(self._gate.reserve_target(wanted * pb) // pb, 0)
         over = self._overage() if self._overage is not None else 0
         held_back = self._held_back_fn() if self._held_back_fn is not None else False
         with self._lock:
             self._held_back = held_back
             self._reserve_cap = min(allowed, self._reserve_max)
+            self._ahead_cap = min(allowed, self._map_ahead)
             self._shed = self._shed_count_locked(over)
             # the pool goes first when the gate cuts the idle memory, and all of it on trim()
             trim_asked, self._trim_pool = self._trim_pool, False
-            pool_keep = 0 if trim_asked else allowed - self._reserve_cap
+            pool_keep = 0 if trim_asked else allowed - max(self._reserve_cap, self._ahead_cap)
             # over its limit, the instance keeps no idle handle: the ones this round's
             # unmaps pool go back in the same round, not one poll interval later
             drop_pool = allowed < wanted or over > 0
@@ -1306,7 +1345,7 @@ class PageAllocator:
         self._settled.notify_all()
 
     def _unmap_pending_locked(self) -> bool:
-        return bool(self._unmap_queue) or len(self._reserve) > self._reserve_cap
+        return bool(self._unmap_queue) or len(self._reserve) > self._keep_locked()
 
     def _has_work_locked(self) -> bool:
         if self._kick or self._trim_pool:
@@ -1327,7 +1366,7 @@ class PageAllocator:
     def _plan_locked(self) -> tuple[list[int], list[int]]:
         """Pick this round's unmaps and maps and move their pages into flight."""
         reserve = self._reserve
-        surplus = len(reserve) - self._reserve_cap
+        surplus = len(reserve) - self._keep_locked()
         unmap_now = self._clock() >= self._unmap_retry_at
         if surplus > 0 and unmap_now:
             drop = reserve[:surplus]

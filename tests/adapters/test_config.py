@@ -13,7 +13,7 @@ def test_unknown_key_is_refused_by_name() -> None:
         ElasticConfig.parse({"limit_gb": 8})
 
 
-@pytest.mark.parametrize("key", ["limit_bytes", "page_bytes", "reserve_max"])
+@pytest.mark.parametrize("key", ["limit_bytes", "page_bytes", "reserve_max", "map_ahead"])
 def test_sizes_beyond_any_device_are_refused_by_name(key: str) -> None:
     with pytest.raises(UnsupportedConfiguration, match=rf"{key} must be an integer in 0 \.\. 2"):
         ElasticConfig.parse({key: 1 << 64})

@@ -158,6 +158,80 @@ def test_the_refill_target_follows_a_burst_then_decays(backend: str) -> None:
         stack.close()
 
 
+def test_map_ahead_serves_a_growing_engine_and_lets_go_once_it_stops(backend: str) -> None:
+    """``map_ahead`` without a reserve: nothing is mapped before the first acquire, which maps
+    on this thread; the next pages of a growing engine come mapped from the background;
+    acquires of the same size keep the demand alive; once it has decayed every idle page is
+    unmapped, the released ones too."""
+    stack = build_stack(backend, map_ahead=4, demand_window=2.0, background=False)
+    pages = stack.pages
+    try:
+        assert pages.flush() and pages.stats().mapped == 0
+        grown = pages.acquire(1)
+        assert grown is not None and pages.stats().caller_mapper_calls == 1
+        for _ in range(5):  # 1.5 s apart: each renews the demand before its window ends
+            clock_of(stack).advance(1.5)
+            assert pages.flush() and pages.stats().reserved == 2  # twice the demand, ahead
+            ids = pages.acquire(1)
+            assert ids is not None
+            grown += ids
+        assert pages.stats().caller_mapper_calls == 1
+        pages.release(grown[:3])
+        assert pages.flush()
+        st = pages.stats()
+        assert (st.in_use, st.reserved, st.mapped) == (3, 4, 7)  # kept up to map_ahead
+        clock_of(stack).advance(2.5)  # a window without an acquire: the demand halves to 0
+        assert pages.flush()
+        st = pages.stats()
+        assert (st.in_use, st.reserved, st.mapped, st.unmap_pending) == (3, 0, 3, 0)
+        assert stack.mapped_pages() == set(grown[3:])
+        again = pages.acquire(1)  # growth after a pause maps its first page on this thread
+        assert again is not None and pages.stats().caller_mapper_calls == 2
+    finally:
+        stack.close()
+
+
+def test_map_ahead_beside_a_reserve_keeps_the_reserve_once_demand_is_gone(backend: str) -> None:
+    stack = build_stack(
+        backend, reserve_min=1, reserve_max=2, map_ahead=6, demand_window=2.0, background=False
+    )
+    pages = stack.pages
+    try:
+        assert pages.flush() and pages.stats().reserved == 1  # reserve_min, before any demand
+        ids = pages.acquire(3)  # 1 from the reserve, 2 mapped here
+        assert ids is not None and pages.flush()
+        assert pages.stats().reserved == 6  # twice the demand, within map_ahead
+        pages.release(ids)
+        assert pages.flush() and pages.stats().reserved == 6  # the released 3 beyond it queued
+        for _ in range(2):  # 3 -> 1 -> 0
+            clock_of(stack).advance(2.5)
+            assert pages.flush()
+        st = pages.stats()
+        assert (st.reserved, st.mapped) == (2, 2)  # reserve_max: what it keeps without demand
+    finally:
+        stack.close()
+
+
+def test_a_gate_that_grants_no_idle_memory_maps_nothing_ahead(backend: str) -> None:
+    gate = BudgetGate(limit=1 << 40)
+    gate.reserve_target = lambda wanted: 0  # type: ignore[method-assign]
+    stack = build_stack(backend, gate=gate, map_ahead=4, background=False)
+    pages = stack.pages
+    try:
+        assert pages.flush()
+        assert pages.acquire(1) is not None and pages.flush()
+        assert pages.stats().reserved == 0
+        assert pages.acquire(1) is not None
+        assert pages.stats().caller_mapper_calls == 2
+    finally:
+        stack.close()
+
+
+def test_map_ahead_beyond_the_pages_is_refused() -> None:
+    with pytest.raises(ValueError, match="map_ahead"):
+        build_stack("host", num_blocks=8, blocks_per_page=4, map_ahead=3)
+
+
 def test_a_reserve_shortfall_maps_on_the_calling_thread(backend: str) -> None:
     stack = build_stack(backend, reserve_min=1, reserve_max=1, background=False)
     try:

@@ -107,6 +107,7 @@ class ElasticKVManager:
             sanity=config.sanity,
             reserve_min=config.reserve_min,
             reserve_max=config.reserve_max,
+            map_ahead=config.map_ahead,
         )
         chain = self.chain
         assert chain.backend is not None and chain.gate is not None

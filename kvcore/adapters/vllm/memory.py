@@ -177,6 +177,7 @@ class ElasticKVMemory(KVMemory):
             contiguous=True,  # per-layer: vLLM views one buffer, a region per layer
             reserve_min=config.reserve_min,
             reserve_max=config.reserve_max,
+            map_ahead=config.map_ahead,
         )
         chain = self.chain
         assert chain.backend is not None and chain.gate is not None

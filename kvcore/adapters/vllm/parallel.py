@@ -242,6 +242,7 @@ class ChannelKVMemory(KVMemory):
             ledger=fenced_ledger(release_fence=release_fence),
             reserve_min=config.reserve_min,
             reserve_max=config.reserve_max,
+            map_ahead=config.map_ahead,
             label="channel",
         )
         chain = self.chain

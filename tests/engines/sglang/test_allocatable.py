@@ -22,6 +22,10 @@ from .harness import requires_fork
 pytestmark = requires_fork
 
 
+RESERVE = {"reserve_min": 1, "reserve_max": 4}
+MAP_AHEAD = {"map_ahead": 4}  # the background maps ahead while allocations come
+
+
 @pytest.fixture
 def holds(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[PageThreadHold]]:
     """Every kvcore memory built in the test drives its mapper through a hold."""
@@ -51,7 +55,9 @@ def test_a_freed_pool_is_allocatable_while_its_pages_unmap(
 
 
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("reserve", [0, 4], ids=["no-reserve", "reserve"])
+@pytest.mark.parametrize(
+    "reserve", [{}, RESERVE, MAP_AHEAD], ids=["no-reserve", "reserve", "map-ahead"]
+)
 @pytest.mark.parametrize("granularity", [1 << 16, 1 << 17], ids=["64k", "128k"])
 @pytest.mark.parametrize(
     ("page_size", "size"),
@@ -59,7 +65,7 @@ def test_a_freed_pool_is_allocatable_while_its_pages_unmap(
     ids=["token-2048", "token-1792", "paged-2048", "paged-1008"],
 )
 def test_lockstep_with_upstream_without_a_budget(
-    make: Any, page_size: int, size: int, granularity: int, reserve: int, seed: int
+    make: Any, page_size: int, size: int, granularity: int, reserve: dict[str, int], seed: int
 ) -> None:
     """Seeded random allocations and frees, some of them freeing everything and allocating
     it straight back, on upstream's allocator and the elastic one side by side, with the
@@ -67,9 +73,7 @@ def test_lockstep_with_upstream_without_a_budget(
     other, and both report the same room at every step. Every size but the paged 1008
     leaves a short last page at both granularities."""
     up = make("off", size=size, page_size=page_size)
-    el = make(
-        "on", size=size, page_size=page_size, reserve_min=min(reserve, 1), reserve_max=reserve
-    )
+    el = make("on", size=size, page_size=page_size, **reserve)
     rng = random.Random(seed)
     live: list[tuple[Any, Any]] = []
     pages = size // page_size

@@ -62,10 +62,14 @@ def test_a_request_fits_while_the_pages_freed_for_it_are_still_unmapping(
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "prefix-cache"])
-@pytest.mark.parametrize("reserve", [0, 4], ids=["no-reserve", "reserve"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"reserve_min": 1, "reserve_max": 4}, {"map_ahead": 4}],
+    ids=["no-reserve", "reserve", "map-ahead"],
+)
 @pytest.mark.parametrize("granularity", [64 << 10, 128 << 10], ids=["64k", "128k"])
 def test_lockstep_with_upstream_without_a_budget(
-    granularity: int, reserve: int, caching: bool, seed: int
+    granularity: int, options: dict[str, int], caching: bool, seed: int
 ) -> None:
     """Seeded random arrivals (short and long prompts sharing prefixes) into upstream's
     ``BlockPool`` and the elastic one side by side, prefix caching off and on, the page
@@ -74,7 +78,6 @@ def test_lockstep_with_upstream_without_a_budget(
     ones finish."""
     specs = {f"model.layers.{i}.attn": SPEC for i in range(2)}
     memory = 301 * 2 * SPEC.page_size_bytes  # 301 blocks: the last page is short
-    options = {"reserve_min": min(reserve, 1), "reserve_max": reserve}
     up = Engine(specs, memory, elastic=False, caching=caching)
     el = Engine(specs, memory, granularity=granularity, kvcore=options, caching=caching)
     assert el.memory.geometry.num_blocks % el.memory.geometry.blocks_per_page != 0
