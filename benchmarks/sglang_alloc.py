@@ -12,7 +12,7 @@ kvcore fork of SGLang installed (``nox -s test-sglang-0.5.23`` builds such a ven
 
     PYTHONPATH=tests/engines/sglang/shim .nox/test-sglang-0-5-23/bin/python \\
         -m benchmarks.sglang_alloc [--repeats 31] [--iters 100] [--json F] [--device cuda] \\
-        [--reserve MIN MAX] [--profile DIR]
+        [--reserve MIN MAX] [--map-ahead N] [--profile DIR]
 
 ``--device cuda`` (the GPU machine, through ``benchmarks/sglang_device.sh run``) runs the same
 cycles on a CUDA pool: SGLang's Triton index kernels on both sides, kvcore on its ``cuda``
@@ -337,6 +337,13 @@ def main() -> None:
         "default, every emptied page unmapped and every new one mapped on the calling thread)",
     )
     parser.add_argument(
+        "--map-ahead",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the elastic side's map_ahead, in pages (0, the engines' default: none)",
+    )
+    parser.add_argument(
         "--profile",
         metavar="DIR",
         help="after the timed runs, profile --iters cycles of each side into "
@@ -351,6 +358,7 @@ def main() -> None:
     global DEVICE
     DEVICE = args.device
     KVCORE["reserve_min"], KVCORE["reserve_max"] = args.reserve
+    KVCORE["map_ahead"] = args.map_ahead
 
     import sglang
 
@@ -396,6 +404,7 @@ def main() -> None:
                     "repeats": args.repeats,
                     "iters": args.iters,
                     "reserve": args.reserve,
+                    "map_ahead": args.map_ahead,
                     "results": rows,
                 },
                 f,
