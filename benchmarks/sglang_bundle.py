@@ -90,8 +90,9 @@ imports ``flashinfer.bmm_fp8`` under ``if _is_cuda:`` (0.5.23 guards it with
 starts without flashinfer. Importing it needs only packages the image or the bundle
 provides (tvm-ffi, pynvml, einops, ...); its kernel requirements (the CUTLASS DSL,
 cuDNN frontend, cuda-tile, nccl4py) load only when one of its kernels is built, which
-``--attention-backend triton --sampling-backend pytorch`` never asks for. A flashinfer op
-that is called anyway fails by name, it does not compute wrongly."""
+``--attention-backend triton --sampling-backend pytorch`` never asks for. A kernel asked
+for anyway is flashinfer's own: its JIT builds it with the image's nvcc, or the build fails
+on a requirement left behind; nothing stands in for it."""
 
 SKIPPED = re.compile(
     r"^sglang/(multimodal_gen/|srt/rust_extensions/_(server|grpc|bench|multimodal)\.)"
