@@ -25,7 +25,11 @@ SGLang's own client as users run it, ``python -m sglang.benchmark.serving --back
 exactly ``--input-len`` tokens (token ids, no dataset download), ``--output-len`` tokens out
 (``ignore_eos``, SGLang's client default), seed = the round. Counters come from the
 servers' ``/metrics`` (``--enable-metrics``): retractions (SGLang's preemption), cached and
-generated tokens.
+generated tokens. With ``--flush-cache`` every client run is preceded by SGLang's own
+``POST /flush_cache`` on its server, which empties the radix cache and frees every KV token
+(an elastic pool gives its pages back): every round then starts each server from an empty
+pool, a first fill, where without it only round 0 does (the radix cache keeps finished
+requests' tokens until the pool is full).
 
     bash benchmarks/sglang_device.sh run python3 -m benchmarks.sglang_serve \\
         --models /tmp/sgdev/models/qwen3-0.6b --out $OUT/sglang-serve.json -- \\
@@ -44,6 +48,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import urllib.error
+import urllib.request
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -143,6 +149,19 @@ class Server(ServeProcess):
         super().__init__(cmd, os.environ, port, log, mode)
 
 
+def _flush_cache(port: int) -> None:
+    """SGLang's ``POST /flush_cache`` on the server at ``port``, between runs (nothing
+    running). Raises ``RuntimeError`` with the server's answer when it refuses."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/flush_cache", b"", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            resp.read()
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(
+            f"POST /flush_cache on port {port} refused ({exc.code}): {exc.read()[:500]!r}"
+        ) from None
+
+
 def _run_bench(
     model: str, args: Any, work: Path, server: Any, rate: str, seed: int
 ) -> dict[str, Any]:
@@ -150,6 +169,8 @@ def _run_bench(
     Raises ``RuntimeError`` with the client's output when it writes no result."""
     num_prompts = args.num_prompts if rate == "inf" else args.num_prompts_rate
     port = server.port
+    if args.flush_cache:
+        _flush_cache(port)
     out = work / f"bench-{port}-{rate}-{seed}.jsonl"
     cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang",
            "--base-url", f"http://127.0.0.1:{port}", "--model", model, "--tokenizer", model,
@@ -192,6 +213,11 @@ def main(argv: list[str] | None = None) -> None:
         default=[],
         metavar="NAME=JSON",
         help="one more elastic server, NAME in the results, JSON its --kvcore-config (repeatable)",
+    )
+    parser.add_argument(
+        "--flush-cache",
+        action="store_true",
+        help="POST /flush_cache to each server before each client run: every round a first fill",
     )
     parser.add_argument("--port", type=int, default=30011, help="first server's port")
     parser.add_argument("--start-timeout", type=float, default=420.0)

@@ -29,6 +29,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 port = int(sys.argv[sys.argv.index("--port") + 1])
 open(f"{sys.argv[sys.argv.index('--port') + 1]}.cmd", "w").write(json.dumps(sys.argv))
 runs = [0]
+calls = open(f"{port}.calls", "a")
 
 
 print("serving on", port, flush=True)
@@ -42,7 +43,9 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(f"sglang:generation_tokens_total {runs[0] * 100}.0\\n".encode())
 
     def do_POST(self):
-        runs[0] += 1
+        calls.write(self.path + "\\n")
+        calls.flush()
+        runs[0] += self.path == "/run"
         self.send_response(200)
         self.end_headers()
 
@@ -103,8 +106,10 @@ def test_a_variant_is_a_named_json_object_other_than_a_mode() -> None:
             sglang_serve.parse_variant(bad)
 
 
-@pytest.mark.slow
-def test_rounds_of_both_modes_with_sglangs_client(tmp_path: Path) -> None:
+def _serve(tmp_path: Path, servers: int, *args: str) -> tuple[int, Path, str]:
+    """``benchmarks.sglang_serve`` with ``args`` over the stand-ins, in ``tmp_path``, on
+    ``servers`` free ports from the first one it returns, a model of the Qwen3-0.6B shape;
+    returns that port, the result file and what it printed. Fails the test when the run fails."""
     fake = tmp_path / "fake"
     (fake / "sglang").mkdir(parents=True)
     (fake / "sglang" / "__init__.py").write_text("")
@@ -119,16 +124,23 @@ def test_rounds_of_both_modes_with_sglangs_client(tmp_path: Path) -> None:
         "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
         "hidden_size": 1024, "head_dim": 128,
     }))  # fmt: skip
-    out = tmp_path / "serve.json"
-    port = free_ports(3)
     env = {**os.environ, "PYTHONPATH": f"{fake}{os.pathsep}{ROOT}"}
+    out = tmp_path / "serve.json"
+    port = free_ports(servers)
     cmd = [sys.executable, "-m", "benchmarks.sglang_serve", "--models", str(model),
-           "--out", str(out), "--repeats", "2", "--rates", "inf", "--num-prompts", "7",
-           "--kv-gib", "1", "--port", str(port), "--kvcore-config", '{"reserve_min": 2}',
-           "--variant", 'kept={"reserve_max": 16}',
-           "--start-timeout", "120", "--", "--attention-backend", "triton"]  # fmt: skip
+           "--out", str(out), "--repeats", "2", "--num-prompts", "7", "--kv-gib", "1",
+           "--port", str(port), "--start-timeout", "120", *args]  # fmt: skip
     run = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
+    return port, out, run.stdout
+
+
+@pytest.mark.slow
+def test_rounds_of_both_modes_with_sglangs_client(tmp_path: Path) -> None:
+    port, out, stdout = _serve(
+        tmp_path, 3, "--rates", "inf", "--kvcore-config", '{"reserve_min": 2}',
+        "--variant", 'kept={"reserve_max": 16}', "--", "--attention-backend", "triton",
+    )  # fmt: skip
 
     off_cmd = json.loads((tmp_path / f"{port}.cmd").read_text())
     on_cmd = json.loads((tmp_path / f"{port + 1}.cmd").read_text())
@@ -149,15 +161,54 @@ def test_rounds_of_both_modes_with_sglangs_client(tmp_path: Path) -> None:
         ("off", 0), ("on", 0), ("kept", 0), ("on", 1), ("kept", 1), ("off", 1)
     ]  # the order rotates between rounds  # fmt: skip
     assert all(r["completed"] == 7 and r["num_prompts"] == 7 for r in runs)
+    # without --flush-cache the servers see only the client's requests
+    assert (tmp_path / f"{port}.calls").read_text() == "/run\n" * 2
     # the server's counter moved by one client run each time
     assert all(r["counters"] == {"sglang:generation_tokens_total": 100.0} for r in runs)
     (row,) = doc["summary"]
     assert row["output_throughput_on_ratio"] == pytest.approx(1 / 1.1)
     assert row["median_tpot_ms_on_ratio"] == pytest.approx(1.1)
-    assert "on: output_throughput 909.1 (0.909x)" in run.stdout
+    assert "on: output_throughput 909.1 (0.909x)" in stdout
     assert row["output_throughput_kept_ratio"] == pytest.approx(1.0)
-    assert "kept: output_throughput 1000.0 (1.000x)" in run.stdout
+    assert "kept: output_throughput 1000.0 (1.000x)" in stdout
     # each server's whole log comes back beside the result
     for mode, p in (("off", port), ("on", port + 1), ("kept", port + 2)):
         log = gzip.decompress((tmp_path / f"serve-qwen3-0.6b-{mode}.log.gz").read_bytes())
         assert f"serving on {p}" in log.decode()
+
+
+@pytest.mark.slow
+def test_flush_cache_empties_each_server_before_each_run(tmp_path: Path) -> None:
+    port, out, _ = _serve(
+        tmp_path, 2, "--rates", "inf", "16", "--num-prompts-rate", "3", "--flush-cache"
+    )
+    for p in (port, port + 1):
+        assert (tmp_path / f"{p}.calls").read_text() == "/flush_cache\n/run\n" * 4
+    runs = json.loads(out.read_text())["results"][0]["runs"]
+    assert len(runs) == 8
+    assert all(r["counters"] == {"sglang:generation_tokens_total": 100.0} for r in runs)
+
+
+def test_a_refused_flush_stops_the_run_with_the_servers_answer() -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Busy(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.send_response(400)
+            self.end_headers()
+            self.wfile.write(b"Flush cache failed: requests running")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Busy)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"refused \(400\).*requests running"):
+            sglang_serve._flush_cache(server.server_port)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
