@@ -11,6 +11,12 @@ server is sampled by ``py-spy record``, each of its processes on its own. Each s
 whole log is kept beside ``--out`` (``<out stem>-<model>-<mode>.log.gz``). Device memory is
 sampled through NVML while the servers run (``vllm_servers.MemorySampler``). ``summarize``
 gives per rate each mode's median over the rounds and its ratio to ``off``.
+
+``--time-limit-s`` fits the rounds to a call's limit (a device call, ``timeout``): a round
+starts only when, at the pace of the longest round so far, it and the servers' stop fit in
+what is left of the limit, counted from this module's import (the benchmark's start, server
+start-up included). Round 0 always runs. The rounds then end whole, every mode measured in
+each, where a limit falling mid-round would leave a round with some modes missing.
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ from benchmarks.vllm_servers import (
     stop_all,
     wait_ready,
 )
+
+_STARTED = time.monotonic()  # the benchmark's start, for --time-limit-s
+STOP_ALLOWANCE_S = 30.0
+"""What ``--time-limit-s`` keeps for stopping the servers and writing their logs."""
 
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 """What every client result must hold (``None`` where the client could not measure it)."""
@@ -108,7 +118,9 @@ def run_rounds(
     """Wait for ``servers`` (all of ``model``), run the rounds, stop them. The model's result
     joins ``results``, written to ``args.out`` after every client run (a run cut short keeps
     what it measured). Reads from ``args``: ``start_timeout``, ``repeats``, ``rates``,
-    ``out``, ``py_spy``, ``py_spy_round``, ``py_spy_rate``, ``py_spy_args``. Raises
+    ``out``, ``py_spy``, ``py_spy_round``, ``py_spy_rate``, ``py_spy_args``,
+    ``time_limit_s`` (0: none; a round that would not fit is not started, and the result
+    says so under ``"stopped"``). Raises
     ``TimeoutError`` when a server is not up in time and ``RuntimeError`` when one exits
     (its servers are stopped either way)."""
     name = Path(model).name
@@ -121,7 +133,14 @@ def run_rounds(
         print(f"{name}: up in " + ", ".join(f"{s.mode} {s.start_s} s" for s in servers))
         sampler.phase = "idle"
         time.sleep(3.0)
+        round_s: list[float] = []  # wall seconds of each finished round
         for r in range(args.repeats):
+            stop = _out_of_time(args, r, round_s)
+            if stop:
+                result["stopped"] = stop
+                print(f"{name}: {stop}", flush=True)
+                break
+            began = time.monotonic()
             order = list(servers[r % len(servers) :]) + list(servers[: r % len(servers)])
             for rate in args.rates:
                 for s in order:
@@ -145,6 +164,7 @@ def run_rounds(
                           f"{got['output_throughput']:.0f} tok/s, "
                           f"TPOT p50 {got['median_tpot_ms']:.2f} ms", flush=True)  # fmt: skip
                     time.sleep(2.0)
+            round_s.append(time.monotonic() - began)
     finally:
         # the series so far first: a call limit reached while the servers stop keeps it
         result["memory"] = list(sampler.series)
@@ -161,6 +181,19 @@ def run_rounds(
             kept = args.out.with_name(f"{args.out.stem}-{name}-{s.mode}.log.gz")
             kept.write_bytes(gzip.compress(log))
         write(args, results)
+
+
+def _out_of_time(args: Any, r: int, round_s: list[float]) -> str | None:
+    """Why round ``r`` must not start under ``args.time_limit_s``, or ``None``."""
+    if not args.time_limit_s or not round_s:
+        return None
+    left = args.time_limit_s - (time.monotonic() - _STARTED)
+    need = max(round_s) + STOP_ALLOWANCE_S
+    if need <= left:
+        return None
+    return (f"round {r} of {args.repeats} not started: {left:.0f} s left of --time-limit-s "
+            f"{args.time_limit_s:g}, a round took up to {max(round_s):.0f} s "
+            f"(+{STOP_ALLOWANCE_S:.0f} s to stop)")  # fmt: skip
 
 
 def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -210,6 +243,13 @@ def add_round_args(parser: Any) -> None:
     """The options ``run_rounds`` reads (and ``--out``), on an ``argparse`` parser."""
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--repeats", type=int, default=3, help="rounds over every server")
+    parser.add_argument(
+        "--time-limit-s",
+        type=float,
+        default=0.0,
+        help="the call's limit in seconds, from the start: start a round only if it fits "
+        "(at the longest round's pace), so rounds end whole; 0: no limit",
+    )
     parser.add_argument("--rates", nargs="+", default=["inf", "16"])
     parser.add_argument("--num-prompts", type=int, default=500, help="at rate inf")
     parser.add_argument("--num-prompts-rate", type=int, default=240, help="at a finite rate")

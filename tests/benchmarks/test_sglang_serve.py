@@ -212,3 +212,19 @@ def test_a_refused_flush_stops_the_run_with_the_servers_answer() -> None:
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+@pytest.mark.slow
+def test_a_time_limit_ends_the_rounds_whole(tmp_path: Path) -> None:
+    # round 0 always runs; with 1 s of limit no later round fits, whatever the machine's pace
+    # (the later --repeats wins over _serve's own)
+    _, out, stdout = _serve(tmp_path, 2, "--rates", "inf", "16", "--num-prompts-rate", "3",
+                            "--repeats", "3", "--time-limit-s", "1")  # fmt: skip
+    (result,) = json.loads(out.read_text())["results"]
+    assert [(r["mode"], r["rate"], r["round"]) for r in result["runs"]] == [
+        ("off", "inf", 0), ("on", "inf", 0), ("off", "16", 0), ("on", "16", 0)
+    ]  # fmt: skip
+    assert result["stopped"].startswith("round 1 of 3 not started")
+    assert "round 1 of 3 not started" in stdout
+    # the servers were still stopped and their logs kept
+    assert (tmp_path / "serve-qwen3-0.6b-on.log.gz").exists()
