@@ -91,10 +91,10 @@ def parse_metrics(text: str, names: Sequence[str]) -> dict[str, float]:
         if name not in split:
             continue
         key = name
-        label = split[name]
-        if label is not None:
-            value = re.search(rf'[{{,]{re.escape(label)}="([^"]*)"', line)
-            key = f'{name}{{{label}="{value.group(1) if value else ""}"}}'
+        kept = split[name]  # the label whose values stay apart, if any
+        if kept is not None:
+            value = re.search(rf'[{{,]{re.escape(kept)}="([^"]*)"', line)
+            key = f'{name}{{{kept}="{value.group(1) if value else ""}"}}'
         with contextlib.suppress(ValueError, IndexError):
             got[key] = got.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return got
