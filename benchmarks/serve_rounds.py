@@ -114,8 +114,11 @@ def run_rounds(
     counters: Sequence[str],
     args: Any,
     results: list[dict[str, Any]],
+    prepare: Callable[[ModeServer], None] | None = None,
 ) -> None:
-    """Wait for ``servers`` (all of ``model``), run the rounds, stop them. The model's result
+    """Wait for ``servers`` (all of ``model``), run the rounds, stop them. ``prepare``, if
+    given, is called on a server before each of its client runs, outside what the run
+    measures (its CPU seconds, counters and py-spy samples). The model's result
     joins ``results``, written to ``args.out`` after every client run (a run cut short keeps
     what it measured). Reads from ``args``: ``start_timeout``, ``repeats``, ``rates``,
     ``out``, ``py_spy``, ``py_spy_round``, ``py_spy_rate``, ``py_spy_args``,
@@ -145,6 +148,8 @@ def run_rounds(
             for rate in args.rates:
                 for s in order:
                     sampler.phase = f"{s.mode} rate={rate} round={r}"
+                    if prepare is not None:
+                        prepare(s)
                     spy = None
                     if args.py_spy and r == args.py_spy_round and rate == args.py_spy_rate:
                         spy = _PySpy(

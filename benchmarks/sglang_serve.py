@@ -25,11 +25,11 @@ SGLang's own client as users run it, ``python -m sglang.benchmark.serving --back
 exactly ``--input-len`` tokens (token ids, no dataset download), ``--output-len`` tokens out
 (``ignore_eos``, SGLang's client default), seed = the round. Counters come from the
 servers' ``/metrics`` (``--enable-metrics``): retractions (SGLang's preemption), cached and
-generated tokens. With ``--flush-cache`` every client run is preceded by SGLang's own
-``POST /flush_cache`` on its server, which empties the radix cache and frees every KV token
-(an elastic pool gives its pages back): every round then starts each server from an empty
-pool, a first fill, where without it only round 0 does (the radix cache keeps finished
-requests' tokens until the pool is full).
+generated tokens. With ``--flush-cache`` every client run is preceded, outside what the run
+measures, by SGLang's own ``POST /flush_cache`` on its server, which empties the radix cache
+and frees every KV token (an elastic pool gives its pages back): every round then starts
+each server from an empty pool, a first fill, where without it only round 0 does (the radix
+cache keeps finished requests' tokens until the pool is full).
 
     bash benchmarks/sglang_device.sh run python3 -m benchmarks.sglang_serve \\
         --models /tmp/sgdev/models/qwen3-0.6b --out $OUT/sglang-serve.json -- \\
@@ -169,8 +169,6 @@ def _run_bench(
     Raises ``RuntimeError`` with the client's output when it writes no result."""
     num_prompts = args.num_prompts if rate == "inf" else args.num_prompts_rate
     port = server.port
-    if args.flush_cache:
-        _flush_cache(port)
     out = work / f"bench-{port}-{rate}-{seed}.jsonl"
     cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang",
            "--base-url", f"http://127.0.0.1:{port}", "--model", model, "--tokenizer", model,
@@ -239,8 +237,9 @@ def main(argv: list[str] | None = None) -> None:
                 Server(model, m, args.port + i, args, server_args, work / f"{name}-{m}.log")
                 for i, m in enumerate(modes)
             ]
+            flush = (lambda s: _flush_cache(s.port)) if args.flush_cache else None
             run_rounds(model, servers, partial(_run_bench, model, args, work), COUNTERS, args,
-                       results)  # fmt: skip
+                       results, prepare=flush)  # fmt: skip
     print_summary(results, modes)
 
 
