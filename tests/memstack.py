@@ -30,6 +30,7 @@ from kvcore.memory.geometry import KVGeometry, Layout
 from kvcore.memory.local_mapper import LocalPageMapper
 from kvcore.memory.mapper import MappingState as MapperState
 from kvcore.memory.pages import BACKGROUND_THREAD_NAME, WAIT_LOG_TEXT, PageAllocator
+from kvcore.memory.switch_interval import DEFAULT_BACKGROUND_SWITCH_S
 from kvcore.memory.virtual_cache import VirtualKVCache
 from kvcore.vmm import VmmBackend, open_backend
 from kvcore.vmm.faults import FaultInjector
@@ -230,6 +231,7 @@ def build_stack(
     demand_window: float = 2.0,
     hold_page_thread: bool = False,
     background: bool = True,
+    switch_interval: float | None = DEFAULT_BACKGROUND_SWITCH_S,
 ) -> MemStack:
     """A fresh stack. ``device_pages`` (host only): how many page ids fit on the "device"
     beside the zero page; default: all of them. ``pool_pages=0`` makes every commit release
@@ -281,6 +283,7 @@ def build_stack(
         demand_window=demand_window,
         clock=time.monotonic if clock is None else clock,
         background=background,
+        switch_interval=switch_interval,
         **charge,
     )
     return MemStack(vmm, geometry, cache, mapper, allocator, hold, clock)

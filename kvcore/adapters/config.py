@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvcore.errors import UnsupportedConfiguration
+from kvcore.memory.switch_interval import DEFAULT_BACKGROUND_SWITCH_S
 
 __all__ = ["ElasticConfig"]
 
@@ -47,6 +48,10 @@ class ElasticConfig:
     0011 of kvcore's vLLM series), else ``"drain"``. ``page_bytes``: physical page size
     (default: the smallest multiple of the backend granularity that holds whole SGLang pages).
     ``sanity``: map the zero page writable and check it at every transition (debugging).
+    ``background_switch_us``: the interpreter's switch interval, in microseconds, while
+    kvcore's page thread (or a TP worker's channel thread) calls the driver
+    (``kvcore.memory.switch_interval``: beside the engine's busy thread each call otherwise
+    waits up to the interpreter's 5 ms for the GIL); 0 leaves the interval alone.
     """
 
     backend: str = "cuda"
@@ -63,6 +68,12 @@ class ElasticConfig:
     reclaim: str | None = None
     page_bytes: int | None = None
     sanity: bool = False
+    background_switch_us: int = round(DEFAULT_BACKGROUND_SWITCH_S * 1e6)
+
+    @property
+    def background_switch_s(self) -> float | None:
+        """``background_switch_us`` in seconds, ``None`` for 0 (the interval left alone)."""
+        return self.background_switch_us * 1e-6 if self.background_switch_us else None
 
     @classmethod
     def parse(cls, value: Mapping[str, Any] | str | None) -> ElasticConfig:
@@ -98,6 +109,17 @@ class ElasticConfig:
             _check_int(kwargs, name, optional=True)
         for name in ("reserve_min", "reserve_max", "map_ahead"):
             _check_int(kwargs, name, optional=False)
+        switch = kwargs.get("background_switch_us", 0)
+        if (
+            isinstance(switch, bool)
+            or not isinstance(switch, int)
+            or not 0 <= switch <= _MAX_SWITCH_US
+        ):
+            raise UnsupportedConfiguration(
+                f"--kvcore-config: background_switch_us must be an integer number of "
+                f"microseconds in 0 .. {_MAX_SWITCH_US}, got {switch!r}",
+                hint="0 leaves the interpreter's switch interval alone",
+            )
         if not isinstance(kwargs.get("backend", "cuda"), str):
             raise UnsupportedConfiguration("--kvcore-config: backend must be a string")
         options = kwargs.get("backend_options", {})
@@ -141,6 +163,7 @@ class ElasticConfig:
 
 
 _MAX_INT = 1 << 56
+_MAX_SWITCH_US = 100_000  # CPython's own default is 5,000
 
 
 def _check_int(kwargs: dict[str, Any], name: str, *, optional: bool) -> None:

@@ -47,6 +47,7 @@ from kvcore.memory.blocks import BlockLedger
 from kvcore.memory.geometry import KVGeometry
 from kvcore.memory.local_mapper import LocalPageMapper
 from kvcore.memory.pages import PageAllocator
+from kvcore.memory.switch_interval import DEFAULT_BACKGROUND_SWITCH_S
 from kvcore.memory.teardown import CloseOnce, OnError, PartFailure, close_parts
 from kvcore.memory.virtual_cache import VirtualKVCache
 
@@ -115,6 +116,7 @@ class MemoryChain:
         reserve_min: int = 0,
         reserve_max: int = 0,
         map_ahead: int = 0,
+        switch_interval: float | None = DEFAULT_BACKGROUND_SWITCH_S,
         label: str = "",
     ) -> MemoryChain:
         """Build the chain (module docstring), step by step:
@@ -128,7 +130,7 @@ class MemoryChain:
         4. the gate: ``gate``, or ``open_gate(backend, geometry)``; with neither the chain
            ends here (no allocator);
         5. ``PageAllocator(mapper, gate)`` with the reserve bounds and ``map_ahead`` clipped to
-           the page count;
+           the page count, and ``switch_interval`` (its background rounds');
         6. ``ledger(geometry, pages)`` when a factory is given.
 
         ``owns_*``: whether ``close`` (and a failed build) closes a part handed in; parts the
@@ -160,6 +162,7 @@ class MemoryChain:
                     reserve_min=min(reserve_min, plan.num_pages),
                     reserve_max=min(reserve_max, plan.num_pages),
                     map_ahead=min(map_ahead, plan.num_pages),
+                    switch_interval=switch_interval,
                 )
                 if ledger is not None:
                     made = ledger(plan, pages)

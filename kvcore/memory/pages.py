@@ -52,9 +52,13 @@ pages in flight retries after each chunk.
 Background rounds. The background thread's work comes in *rounds*: read the gate's
 ``reserve_target`` (and ``overage``, where it has one), map a refill batch for the reserve,
 unmap the queued surplus, release pooled handles when asked to (and all of them while over
-the limit), report the idle memory to the gate. With ``background=False`` no thread is
-started and ``run_round()`` runs one round on the calling thread (``flush()`` runs them
-until nothing is left to do); everything else behaves the same. Every
+the limit), report the idle memory to the gate. The thread runs each round with the
+interpreter's switch interval shortened (``switch_interval``,
+``kvcore.memory.switch_interval``): every driver call gives up the GIL, and beside an
+engine thread running Python, taking it back would otherwise wait up to 5 ms per call.
+With ``background=False`` no thread is started and ``run_round()`` runs one round on the
+calling thread (``flush()`` runs them until nothing is left to do); everything else
+behaves the same. Every
 time-based decision (retry back-off, unmap back-off, the demand window) reads ``clock``
 (default ``time.monotonic``), so a caller (a test) that passes its own clock decides when
 a back-off has passed. The waits on other threads (the thread's idle sleep of at most
@@ -131,6 +135,7 @@ from kvcore.errors import (
     VmmError,
 )
 from kvcore.memory.mapper import PageMapper
+from kvcore.memory.switch_interval import DEFAULT_BACKGROUND_SWITCH_S, shortened
 
 __all__ = [
     "BACKGROUND_THREAD_NAME",
@@ -267,6 +272,9 @@ class PageAllocator:
     ``poll_interval`` how often the idle background thread re-reads the gate's
     ``reserve_target`` and reports the reserve, ``demand_window`` how long (seconds of
     ``clock``) the largest recent ``acquire`` raises the refill target (module docstring).
+    ``switch_interval`` is the interpreter's switch interval (seconds) while a background
+    round runs (``kvcore.memory.switch_interval``: each driver call of the thread otherwise
+    waits up to 5 ms for the GIL beside a busy engine thread; ``None`` leaves it alone).
     ``clock`` returns the time in seconds for every one of those decisions (default
     ``time.monotonic``; it must never go back). ``background=False`` starts no thread: the
     owner runs the rounds with ``run_round()`` (or ``flush()``). Every method is
@@ -286,6 +294,7 @@ class PageAllocator:
         refill_batch: int = 8,
         charge_fixed_bytes: bool = True,
         demand_window: float = 2.0,
+        switch_interval: float | None = DEFAULT_BACKGROUND_SWITCH_S,
         clock: Callable[[], float] = time.monotonic,
         background: bool = True,
     ) -> None:
@@ -334,6 +343,11 @@ class PageAllocator:
         self._tracks_demand = bool(reserve_min or map_ahead)
         self._retry_interval = retry_interval
         self._poll_interval = poll_interval
+        if switch_interval is not None and switch_interval <= 0:
+            raise ValueError(
+                f"page allocator: switch_interval must be positive or None, got {switch_interval}"
+            )
+        self._switch_interval = switch_interval
 
         self._state = bytearray(num_pages)  # PageState per page id
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # lowest id on top
@@ -399,6 +413,12 @@ class PageAllocator:
     def num_pages(self) -> int:
         """Page ids managed (``mapper.num_pages``)."""
         return self._num_pages
+
+    @property
+    def switch_interval(self) -> float | None:
+        """The interpreter's switch interval while a background round runs (seconds;
+        ``None``: left alone)."""
+        return self._switch_interval
 
     @property
     def page_bytes(self) -> int:
@@ -1221,7 +1241,8 @@ class PageAllocator:
         ``poll_interval``, until ``close`` or a failure."""
         try:
             while self._await_round():
-                self._work()
+                with shortened(self._switch_interval):
+                    self._work()
         except PoolFailed:
             pass  # recorded; every caller now sees it
         except BaseException as exc:  # pragma: no cover - defensive

@@ -34,3 +34,14 @@ def test_reclaim_takes_preempt_or_drain_and_refuses_others_by_name() -> None:
     assert ElasticConfig.parse({"reclaim": "drain"}).reclaim == "drain"
     with pytest.raises(UnsupportedConfiguration, match='reclaim must be "preempt" or "drain"'):
         ElasticConfig.parse({"reclaim": "evict"})
+
+
+def test_the_page_thread_switch_interval_is_microseconds_and_zero_leaves_it_alone() -> None:
+    assert ElasticConfig.parse(None).background_switch_s == pytest.approx(50e-6)
+    assert ElasticConfig.parse({"background_switch_us": 200}).background_switch_s == (
+        pytest.approx(200e-6)
+    )
+    assert ElasticConfig.parse({"background_switch_us": 0}).background_switch_s is None
+    for bad in (-1, 2.5, True, 10**6):
+        with pytest.raises(UnsupportedConfiguration, match="background_switch_us must be"):
+            ElasticConfig.parse({"background_switch_us": bad})

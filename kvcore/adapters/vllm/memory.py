@@ -178,6 +178,7 @@ class ElasticKVMemory(KVMemory):
             reserve_min=config.reserve_min,
             reserve_max=config.reserve_max,
             map_ahead=config.map_ahead,
+            switch_interval=config.background_switch_s,
         )
         chain = self.chain
         assert chain.backend is not None and chain.gate is not None

@@ -243,6 +243,7 @@ class ChannelKVMemory(KVMemory):
             reserve_min=config.reserve_min,
             reserve_max=config.reserve_max,
             map_ahead=config.map_ahead,
+            switch_interval=config.background_switch_s,
             label="channel",
         )
         chain = self.chain
@@ -483,7 +484,10 @@ class WorkerKVMemory:
             served = _NullPageFirst(self.mapper, self.geometry.page_of(0))
             publish_device(parallel.channel_dir, rank, self.backend)  # for per-rank ledgers
             self.listener = WorkerListener(
-                served, rank=rank, channel_dir=parallel.channel_dir
+                served,
+                rank=rank,
+                channel_dir=parallel.channel_dir,
+                switch_interval=config.background_switch_s,
             ).start()
         except BaseException:
             self._teardown()

@@ -19,6 +19,10 @@ counted in ``refused`` (the latest reasons in ``rejected``). The session then la
 for the instance's life: requests are applied in order, one at a time, each answered with a
 ``Reply``. A malformed frame on the session ends it (the coordinator fails its pool).
 
+Each request is applied with the interpreter's switch interval shortened
+(``switch_interval``, ``kvcore.memory.switch_interval``): the worker's own thread runs the
+model meanwhile, and every driver call would otherwise wait up to 5 ms for the GIL.
+
 ``UNDO_MAP`` is ``prepare_unmap`` then ``commit_unmap``; once the prepare succeeded the
 pages are unmapped, so a failing commit (a handle release, which ``PageMapper`` retries
 idempotently later) is logged, not reported.
@@ -56,6 +60,7 @@ from kvcore.errors import (
     VmmError,
 )
 from kvcore.memory.mapper import PageMapper
+from kvcore.memory.switch_interval import DEFAULT_BACKGROUND_SWITCH_S, shortened
 from kvcore.parallel.channel.endpoints import channel_dir_from_env, check_peer, socket_path
 from kvcore.parallel.channel.messages import (
     MAX_FRAME_BYTES,
@@ -93,8 +98,13 @@ class WorkerListener:
         channel_dir: Path | str | None = None,
         max_bytes: int = MAX_FRAME_BYTES,
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+        switch_interval: float | None = DEFAULT_BACKGROUND_SWITCH_S,
     ) -> None:
         self.mapper = mapper
+        self.switch_interval = switch_interval
+        """The interpreter's switch interval while a request is applied
+        (``kvcore.memory.switch_interval``: the worker's own thread runs the model meanwhile;
+        ``None`` leaves it alone)."""
         self.rank = rank
         self.channel_dir = Path(channel_dir) if channel_dir is not None else channel_dir_from_env()
         self.path = socket_path(self.channel_dir, rank)
@@ -289,7 +299,8 @@ class WorkerListener:
                 return
             if not isinstance(message, Request):
                 raise MalformedMessage(f"expected a Request, got {type(message).__name__}")
-            reply = self._apply(message)
+            with shortened(self.switch_interval):
+                reply = self._apply(message)
             if message.op is Op.CLOSE:
                 # stopped before the reply goes out: a coordinator that has the reply finds
                 # the listener closed, never about to close

@@ -51,6 +51,16 @@ def test_extend_and_decode_map_pages_on_demand(make: Any) -> None:
     assert e.pages().in_use == 3  # decode filled partly used pages, no new mapping
 
 
+@pytest.mark.parametrize(("option", "interval"), [({}, 50e-6), ({"background_switch_us": 0}, None)])
+def test_the_page_thread_takes_the_configured_switch_interval(
+    make: Any, option: dict[str, Any], interval: float | None
+) -> None:
+    e = make("on", size=2048, page_size=16, **option)
+    assert e.manager.pages.switch_interval == (
+        pytest.approx(interval) if interval is not None else None
+    )
+
+
 def test_free_unmaps_empty_pages(make: Any) -> None:
     e = make("on", size=2048, page_size=16)
     a = e.allocator

@@ -253,6 +253,17 @@ def test_hybrid_full_and_sliding_window_pages_follow_blocks() -> None:
     assert eng.memory.stats().in_use == 1  # every page that emptied went back
 
 
+@pytest.mark.parametrize(("option", "interval"), [({}, 50e-6), ({"background_switch_us": 0}, None)])
+def test_the_page_thread_takes_the_configured_switch_interval(
+    option: dict[str, Any], interval: float | None
+) -> None:
+    eng = Engine(gemma_specs(window=32), 4 * MiB, kvcore=option)
+    assert eng.memory.pages is not None
+    assert eng.memory.pages.switch_interval == (
+        pytest.approx(interval) if interval is not None else None
+    )
+
+
 def _prefix_hit(elastic: bool) -> tuple[Engine, list[int]]:
     """Two requests sharing an 8-block prompt; the tokens the second found cached."""
     eng = Engine(gemma_specs(window=512), 4 * MiB, caching=True, elastic=elastic)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import socket
 import struct
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -270,3 +271,44 @@ def test_the_refusal_reasons_kept_are_bounded(
         assert listener.refused == 3 and len(listener.rejected) == 2
     finally:
         listener.close()
+
+
+class _IntervalSeen:
+    """A ``PageMapper`` in front of another that notes the interpreter's switch interval at
+    each ``map`` (made on the listener's session thread)."""
+
+    def __init__(self, inner: LocalPageMapper) -> None:
+        self.inner = inner
+        self.seen: list[float] = []
+
+    def map(self, page_ids: list[int]) -> None:
+        self.seen.append(sys.getswitchinterval())
+        self.inner.map(page_ids)
+
+    def __getattr__(self, name: str) -> object:  # the rest of the PageMapper protocol
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("configured", [50e-6, None], ids=["shortened", "left-alone"])
+def test_requests_are_applied_under_the_configured_switch_interval(
+    mapper: LocalPageMapper, directory: ChannelDirectory, configured: float | None
+) -> None:
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    seen = _IntervalSeen(mapper)
+    listener = WorkerListener(
+        seen,  # type: ignore[arg-type]
+        rank=0,
+        channel_dir=directory.path,
+        switch_interval=configured,
+    ).start()
+    try:
+        session = _Session(listener.path, 0)
+        assert session.ask(Op.MAP, 1, 0).ok
+        assert seen.seen == [pytest.approx(configured if configured else 0.005)]
+        assert sys.getswitchinterval() == 0.005  # put back once the request was answered
+        assert session.ask(Op.CLOSE, 2).ok
+        session.sock.close()
+    finally:
+        listener.close()
+        sys.setswitchinterval(before)
