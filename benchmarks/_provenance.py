@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
+import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,3 +37,22 @@ def commit(*measured: str) -> str:
 def now() -> str:
     """The current UTC time, ISO 8601 to the second."""
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def add_output_options(parser: argparse.ArgumentParser) -> None:
+    """``--json PATH`` (where ``write_json`` puts the results) and ``--commit SHA`` (the
+    commit measured, where the checkout's git cannot say: a copy on a GPU machine)."""
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument(
+        "--commit",
+        default=None,
+        help="the commit measured, where the checkout's git cannot say (a copy on a GPU "
+        "machine); default: read from git",
+    )
+
+
+def write_json(results: dict[str, Any], path: str | None) -> None:
+    """Write ``results`` to ``path`` (nothing when ``None``) and say so."""
+    if path:
+        Path(path).write_text(json.dumps(results, indent=1))
+        print(f"wrote {path}")

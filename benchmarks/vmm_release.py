@@ -35,7 +35,6 @@ On the host backend (no GPU) the figures only say that the code works.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -410,23 +409,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "buffers; default 32)",
     )
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument(
-        "--commit",
-        default=None,
-        help="the commit measured, where the checkout's git cannot say (a copy on a GPU "
-        "machine); default: read from git",
-    )
+    _provenance.add_output_options(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = run(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.json}")
+    _provenance.write_json(run(args), args.json)
     return 0
 
 
