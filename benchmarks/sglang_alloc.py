@@ -12,7 +12,7 @@ kvcore fork of SGLang installed (``nox -s test-sglang-0.5.23`` builds such a ven
 
     PYTHONPATH=tests/engines/sglang/shim .nox/test-sglang-0-5-23/bin/python \\
         -m benchmarks.sglang_alloc [--repeats 31] [--iters 100] [--json F] [--device cuda] \\
-        [--reserve MIN MAX] [--map-ahead N] [--profile DIR]
+        [--reserve MIN MAX] [--map-ahead N] [--switch-us US] [--profile DIR]
 
 ``--device cuda`` (the GPU machine, through ``benchmarks/sglang_device.sh run``) runs the same
 cycles on a CUDA pool: SGLang's Triton index kernels on both sides, kvcore on its ``cuda``
@@ -344,6 +344,14 @@ def main() -> None:
         help="the elastic side's map_ahead, in pages (0, the engines' default: none)",
     )
     parser.add_argument(
+        "--switch-us",
+        type=int,
+        default=None,
+        metavar="US",
+        help="the elastic side's background_switch_us (kvcore.memory.switch_interval; 0: "
+        "the interpreter's own interval; default: kvcore's)",
+    )
+    parser.add_argument(
         "--profile",
         metavar="DIR",
         help="after the timed runs, profile --iters cycles of each side into "
@@ -359,6 +367,8 @@ def main() -> None:
     DEVICE = args.device
     KVCORE["reserve_min"], KVCORE["reserve_max"] = args.reserve
     KVCORE["map_ahead"] = args.map_ahead
+    if args.switch_us is not None:
+        KVCORE["background_switch_us"] = args.switch_us
 
     import sglang
 
@@ -405,6 +415,7 @@ def main() -> None:
                     "iters": args.iters,
                     "reserve": args.reserve,
                     "map_ahead": args.map_ahead,
+                    "background_switch_us": KVCORE.get("background_switch_us"),
                     "results": rows,
                 },
                 f,
