@@ -114,11 +114,12 @@ def run_rounds(
     counters: Sequence[str],
     args: Any,
     results: list[dict[str, Any]],
-    prepare: Callable[[ModeServer], None] | None = None,
+    prepare: Callable[[ModeServer], dict[str, Any] | None] | None = None,
 ) -> None:
     """Wait for ``servers`` (all of ``model``), run the rounds, stop them. ``prepare``, if
     given, is called on a server before each of its client runs, outside what the run
-    measures (its CPU seconds, counters and py-spy samples). The model's result
+    measures (its CPU seconds, counters and py-spy samples); what it returns joins the run's
+    record. The model's result
     joins ``results``, written to ``args.out`` after every client run (a run cut short keeps
     what it measured). Reads from ``args``: ``start_timeout``, ``repeats``, ``rates``,
     ``out``, ``py_spy``, ``py_spy_round``, ``py_spy_rate``, ``py_spy_args``,
@@ -148,8 +149,7 @@ def run_rounds(
             for rate in args.rates:
                 for s in order:
                     sampler.phase = f"{s.mode} rate={rate} round={r}"
-                    if prepare is not None:
-                        prepare(s)
+                    prepared = prepare(s) if prepare is not None else None
                     spy = None
                     if args.py_spy and r == args.py_spy_round and rate == args.py_spy_rate:
                         spy = _PySpy(
@@ -162,7 +162,8 @@ def run_rounds(
                     got["counters"] = delta(s.metrics(counters), count0)
                     if spy is not None:
                         got["py_spy"] = spy.stop()
-                    runs.append({"mode": s.mode, "rate": rate, "round": r, **got})
+                    runs.append({"mode": s.mode, "rate": rate, "round": r, **(prepared or {}),
+                                 **got})  # fmt: skip
                     write(args, results)
                     sampler.phase = "idle"
                     print(f"  round {r} rate {rate:>4} {s.mode:>9}: "

@@ -27,9 +27,10 @@ exactly ``--input-len`` tokens (token ids, no dataset download), ``--output-len`
 servers' ``/metrics`` (``--enable-metrics``): retractions (SGLang's preemption), cached and
 generated tokens. With ``--flush-cache`` every client run is preceded, outside what the run
 measures, by SGLang's own ``POST /flush_cache`` on its server, which empties the radix cache
-and frees every KV token (an elastic pool gives its pages back): every round then starts
-each server from an empty pool, a first fill, where without it only round 0 does (the radix
-cache keeps finished requests' tokens until the pool is full).
+and frees every KV token; each elastic server is then waited for until its driver memory
+is back to its empty pool's (``give_back`` in the run's record: how long that took). Every
+round then starts each server from an empty pool, a first fill, where without it only round
+0 does (the radix cache keeps finished requests' tokens until the pool is full).
 
     bash benchmarks/sglang_device.sh run python3 -m benchmarks.sglang_serve \\
         --models /tmp/sgdev/models/qwen3-0.6b --out $OUT/sglang-serve.json -- \\
@@ -55,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.serve_rounds import METRICS, add_round_args, print_summary, run_rounds
-from benchmarks.vllm_servers import ServeProcess
+from benchmarks.vllm_servers import ServeProcess, SessionMemory, wait_down_to
 
 MODES = {"off": False, "on": True}
 """Mode -> elastic KV."""
@@ -162,6 +163,39 @@ def _flush_cache(port: int) -> None:
         ) from None
 
 
+GIVE_BACK_SLACK = 256 << 20
+"""How far above its empty pool a flushed elastic server counts as given back (bytes)."""
+
+
+class _Flush:
+    """``--flush-cache``'s step before each client run: SGLang's ``POST /flush_cache``, then,
+    on an elastic server, a wait until its driver memory is back to what it held before its
+    first run (its empty pool) within ``GIVE_BACK_SLACK``, so that the run is a first fill
+    and not a fill beside pages still being unmapped. The run's record gets ``give_back``:
+    the bytes before and after and the seconds the pool took to give back what the flush
+    freed (``vllm_servers.wait_down_to``; ``reached`` false after ``timeout_s``)."""
+
+    def __init__(self, servers: list[Any], timeout_s: float) -> None:
+        self._memory = SessionMemory({s.proc.pid: s.mode for s in servers})
+        self._timeout_s = timeout_s
+        self._empty: dict[str, int] = {}  # per elastic server: bytes before its first run
+
+    def __call__(self, server: Any) -> dict[str, Any] | None:
+        _flush_cache(server.port)
+        if not MODES.get(server.mode, True):
+            return None  # upstream's pool is allocated whole: nothing to give back
+
+        def held() -> int:
+            return self._memory.read().get(server.mode, 0)
+
+        empty = self._empty.setdefault(server.mode, held())
+        got = wait_down_to(held, empty + GIVE_BACK_SLACK, timeout_s=self._timeout_s)
+        late = "" if got["reached"] else " (timed out)"
+        print(f"  {server.mode}: flushed pool back to {got['to'] / GiB:.2f} GiB in "
+              f"{got['s']:.2f} s{late}", flush=True)  # fmt: skip
+        return {"give_back": got}
+
+
 def _run_bench(
     model: str, args: Any, work: Path, server: Any, rate: str, seed: int
 ) -> dict[str, Any]:
@@ -215,7 +249,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--flush-cache",
         action="store_true",
-        help="POST /flush_cache to each server before each client run: every round a first fill",
+        help="POST /flush_cache to each server before each client run, and wait for each "
+        "elastic pool to give back what it freed: every round a first fill",
+    )
+    parser.add_argument(
+        "--give-back-timeout",
+        type=float,
+        default=60.0,
+        help="with --flush-cache, the most seconds to wait for a flushed pool (default 60)",
     )
     parser.add_argument("--port", type=int, default=30011, help="first server's port")
     parser.add_argument("--start-timeout", type=float, default=420.0)
@@ -237,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
                 Server(model, m, args.port + i, args, server_args, work / f"{name}-{m}.log")
                 for i, m in enumerate(modes)
             ]
-            flush = (lambda s: _flush_cache(s.port)) if args.flush_cache else None
+            flush = _Flush(servers, args.give_back_timeout) if args.flush_cache else None
             run_rounds(model, servers, partial(_run_bench, model, args, work), COUNTERS, args,
                        results, prepare=flush)  # fmt: skip
     print_summary(results, modes)

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -203,20 +203,63 @@ def stop_all(servers: Sequence[ServeProcess]) -> None:
         s._log.close()
 
 
-class MemorySampler:
-    """Device memory in use every ``interval`` seconds on a thread (NVML, bytes): the device
-    total, and per server (the processes of its session, ``sessions`` maps session id to
-    label) where NVML lists processes. Each sample also says how busy the machine was
-    (``MACHINE_KEYS``): a run slowed by something else on the host or a throttled GPU shows
-    there, not only in its latencies."""
+class SessionMemory:
+    """Device memory held per server, from NVML's process list: ``read()`` maps each label of
+    ``sessions`` (session id -> label) whose processes NVML lists to the bytes they hold
+    (a server NVML does not list is absent). GPU 0."""
 
-    def __init__(self, sessions: dict[int, str], interval: float = 0.5) -> None:
+    def __init__(self, sessions: dict[int, str]) -> None:
         import pynvml
 
         pynvml.nvmlInit()
-        self._nvml = pynvml
-        self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        self.nvml = pynvml
+        self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
         self._sessions = sessions
+
+    def read(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        try:
+            running = self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle)
+        except self.nvml.NVMLError:
+            return held
+        for p in running:
+            label = self._sessions.get(session_of(p.pid))  # type: ignore[arg-type]
+            if label is not None and p.usedGpuMemory is not None:
+                held[label] = held.get(label, 0) + int(p.usedGpuMemory)
+        return held
+
+
+def wait_down_to(
+    read: Callable[[], int],
+    target: int,
+    *,
+    timeout_s: float = 60.0,
+    poll_s: float = 0.05,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, Any]:
+    """Poll ``read()`` (bytes a server holds) every ``poll_s`` until it is at most ``target``
+    or ``timeout_s`` has passed. Returns ``from`` (the first reading), ``to`` (the last),
+    ``s`` (seconds until ``target`` was reached, or until the timeout) and ``reached``."""
+    start = clock()
+    first = got = read()
+    while got > target and clock() - start < timeout_s:
+        sleep(poll_s)
+        got = read()
+    return {"from": first, "to": got, "s": round(clock() - start, 3), "reached": got <= target}
+
+
+class MemorySampler:
+    """Device memory in use every ``interval`` seconds on a thread (NVML, bytes): the device
+    total, and per server (the processes of its session, ``sessions`` maps session id to
+    label; ``SessionMemory``) where NVML lists processes. Each sample also says how busy the
+    machine was (``MACHINE_KEYS``): a run slowed by something else on the host or a throttled
+    GPU shows there, not only in its latencies."""
+
+    def __init__(self, sessions: dict[int, str], interval: float = 0.5) -> None:
+        self._servers = SessionMemory(sessions)
+        self._nvml = self._servers.nvml
+        self._handle = self._servers.handle
         self.interval = interval
         self.t0 = time.monotonic()
         self.series: list[dict[str, Any]] = []
@@ -224,18 +267,6 @@ class MemorySampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
-
-    def _per_server(self) -> dict[str, int]:
-        held: dict[str, int] = {}
-        try:
-            running = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
-        except self._nvml.NVMLError:
-            return held
-        for p in running:
-            label = self._sessions.get(session_of(p.pid))  # type: ignore[arg-type]
-            if label is not None and p.usedGpuMemory is not None:
-                held[label] = held.get(label, 0) + int(p.usedGpuMemory)
-        return held
 
     def _machine(self) -> dict[str, float]:
         # informative only: a driver or binding without one of these leaves it out, and
@@ -253,7 +284,7 @@ class MemorySampler:
             used = int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
             t = round(time.monotonic() - self.t0, 2)
             self.series.append({"t": t, "phase": self.phase, "used": used,
-                                **self._machine(), **self._per_server()})  # fmt: skip
+                                **self._machine(), **self._servers.read()})  # fmt: skip
 
     def close(self) -> list[dict[str, Any]]:
         """Stop sampling; the series."""
