@@ -49,9 +49,10 @@ class ElasticConfig:
     (default: the smallest multiple of the backend granularity that holds whole SGLang pages).
     ``sanity``: map the zero page writable and check it at every transition (debugging).
     ``background_switch_us``: the interpreter's switch interval, in microseconds, while
-    kvcore's page thread (or a TP worker's channel thread) calls the driver
-    (``kvcore.memory.switch_interval``: beside the engine's busy thread each call otherwise
-    waits up to the interpreter's 5 ms for the GIL); 0 leaves the interval alone.
+    kvcore calls the driver (the page thread's rounds, a map on the engine's thread, a TP
+    worker's channel requests; ``kvcore.memory.switch_interval``: beside another thread
+    running Python each call otherwise waits up to the interpreter's 5 ms for the GIL); 0
+    leaves the interval alone.
     """
 
     backend: str = "cuda"

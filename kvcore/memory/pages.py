@@ -55,7 +55,9 @@ unmap the queued surplus, release pooled handles when asked to (and all of them 
 the limit), report the idle memory to the gate. The thread runs each round with the
 interpreter's switch interval shortened (``switch_interval``,
 ``kvcore.memory.switch_interval``): every driver call gives up the GIL, and beside an
-engine thread running Python, taking it back would otherwise wait up to 5 ms per call.
+engine thread running Python, taking it back would otherwise wait up to 5 ms per call. A
+map on the caller's thread runs shortened too: the engine's other threads (vLLM's output
+thread, this allocator's own) would hold up the caller's calls the same way.
 With ``background=False`` no thread is started and ``run_round()`` runs one round on the
 calling thread (``flush()`` runs them until nothing is left to do); everything else
 behaves the same. Every
@@ -273,8 +275,9 @@ class PageAllocator:
     ``reserve_target`` and reports the reserve, ``demand_window`` how long (seconds of
     ``clock``) the largest recent ``acquire`` raises the refill target (module docstring).
     ``switch_interval`` is the interpreter's switch interval (seconds) while a background
-    round runs (``kvcore.memory.switch_interval``: each driver call of the thread otherwise
-    waits up to 5 ms for the GIL beside a busy engine thread; ``None`` leaves it alone).
+    round runs and while a map runs on a caller's thread (``kvcore.memory.switch_interval``:
+    each driver call otherwise waits up to 5 ms to take the GIL back from whichever other
+    thread runs Python meanwhile; ``None`` leaves it alone).
     ``clock`` returns the time in seconds for every one of those decisions (default
     ``time.monotonic``; it must never go back). ``background=False`` starts no thread: the
     owner runs the rounds with ``run_round()`` (or ``flush()``). Every method is
@@ -1074,7 +1077,8 @@ class PageAllocator:
             quarantined: list[int] | None = None
             try:
                 self._count_call(refill)
-                self._mapper.map(pages)
+                with shortened(self._switch_interval):  # on the engine's thread too
+                    self._mapper.map(pages)
             except PageQuarantined as exc:
                 quarantined = _named_or_all(exc.page_ids, pages)
             except PoolFailed as exc:

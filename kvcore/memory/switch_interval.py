@@ -11,8 +11,13 @@ instead of microseconds: the convoy effect. A page of a 28-layer model spans 56 
 each mapped or unmapped in three to five driver calls, so one page can take a second
 beside a busy scheduler, and giving back a pool of gigabytes takes tens of seconds.
 
+The same holds the other way round: a page the engine's thread maps itself gives up the
+GIL at each driver call too, to whichever other thread runs Python (vLLM's output thread,
+the page thread's own bookkeeping).
+
 What. ``shortened(interval)`` lowers the process's switch interval to ``interval`` seconds
-for the duration of a ``with`` block (the background thread wraps each round in it) and
+for the duration of a ``with`` block (the background thread wraps each round in it, the
+page allocator each map on a caller's thread, a TP worker each request it applies) and
 puts back the interval it found once the last such block in the process has ended. The
 engine's thread gives the GIL up once per driver call either way; the shorter interval
 only stops it from holding on for up to 5 ms first. While no other thread wants the GIL,

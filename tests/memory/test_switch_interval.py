@@ -96,3 +96,25 @@ def test_the_page_thread_unmaps_under_the_configured_interval(configured: float 
         assert sys.getswitchinterval() == FOUND
     finally:
         stack.close()
+
+
+def test_a_map_on_the_callers_thread_runs_under_the_configured_interval() -> None:
+    stack = build_stack(switch_interval=50e-6)
+    seen: list[float] = []
+    real_map = stack.mapper.map
+
+    def map_noting(page_ids: list[int]) -> None:
+        seen.append(sys.getswitchinterval())
+        real_map(page_ids)
+
+    stack.mapper.map = map_noting  # type: ignore[method-assign]
+    try:
+        ids = stack.pages.acquire(1)  # no reserve: mapped on this thread
+        assert ids is not None
+        assert seen == [pytest.approx(50e-6)]
+        assert sys.getswitchinterval() == FOUND
+        stack.pages.release(ids)
+        assert stack.pages.flush()
+    finally:
+        del stack.mapper.map
+        stack.close()
