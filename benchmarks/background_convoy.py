@@ -13,12 +13,15 @@ each of two loads on another thread of the same process:
 * ``busy``: a thread runs a Python loop without pause, as SGLang's scheduler polls for
   requests while idle and as any scheduler runs while it builds a batch.
 
-And for two pieces of background work:
+And for three pieces of work, two of the page thread's and one of the engine's:
 
 * ``give back``: ``--pages`` page ids in use are released at once with no reserve (an
   engine's cache flushed, or every request ended): the time until every one is unmapped;
 * ``map ahead``: a new allocator with a reserve of ``--pages`` pages: the time until the
-  background thread has mapped them.
+  background thread has mapped them;
+* ``map here``: ``acquire`` of ``--pages`` pages with no reserve, mapped on the calling
+  thread, as a scheduler maps a page it needs (the busy thread is then another thread of
+  the engine, e.g. vLLM's output thread).
 
 Beside each time, the busy thread's loop count per second during the work, as a ratio of
 its count in the 0.3 s just before (the page thread idle), and the time that ratio loses
@@ -43,7 +46,7 @@ from typing import Any
 from benchmarks import _provenance
 
 MiB = 1 << 20
-WORKS = ("give back", "map ahead")
+WORKS = ("give back", "map ahead", "map here")
 LOADS = ("idle", "busy")
 
 
@@ -147,6 +150,22 @@ def _map_ahead(mapper: Any, pages: int, switch_s: float | None, run: Callable[..
             alloc.close()
 
 
+def _map_here(mapper: Any, pages: int, switch_s: float | None, run: Callable[..., Any]) -> float:
+    """Seconds for ``acquire(pages)`` with no reserve: mapped on this thread, as an engine's
+    scheduler maps a page it needs at once (the busy thread is then the other one)."""
+    from kvcore.memory.pages import PageAllocator
+
+    alloc = PageAllocator(mapper, switch_interval=switch_s)
+    got: list[Any] = []
+    try:
+        took = float(run(lambda: got.append(alloc.acquire(pages)), lambda: True))
+        if got[0] is None or len(got[0]) != pages:
+            raise RuntimeError("the pages could not be mapped")
+        return took
+    finally:
+        alloc.close()
+
+
 def _measure(
     work: Callable[..., float], mapper: Any, args: argparse.Namespace, switch_s: float | None
 ) -> dict[str, float]:
@@ -180,7 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for us in args.switch_us:
             switch_s = us * 1e-6 if us else None
-            for name, work in zip(WORKS, (_give_back, _map_ahead), strict=True):
+            for name, work in zip(WORKS, (_give_back, _map_ahead, _map_here), strict=True):
                 runs = [_measure(work, mapper, args, switch_s) for _ in range(args.repeats)]
                 row = {
                     "switch_us": us,
