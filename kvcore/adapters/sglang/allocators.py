@@ -177,6 +177,9 @@ class _ElasticMixin:
         return self._as_tensor(ids)
 
     def _free_all(self) -> None:
+        """``clear()``'s work (SGLang's ``/flush_cache``, and start-up): every block freed;
+        the page work since the last report is logged first (``log_page_work``)."""
+        self.kvcore.log_page_work("cache cleared")
         self._pending.settle(wait=True)
         ledger = self.ledger
         held = [b for b in range(1, ledger.geometry.num_blocks) if ledger.is_allocated(b)]

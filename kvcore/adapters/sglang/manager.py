@@ -120,6 +120,8 @@ class ElasticKVManager:
         self.gate: MemoryGate = chain.gate
         self.pages: PageAllocator = chain.pages
         self.ledger: BlockLedger = chain.ledger
+        st = self.pages.stats()  # page work counts from here (the pinned page is mapped)
+        self._page_work = (st.caller_mapper_calls, st.refill_mapper_calls, st.misses)
         log.info(
             "kvcore: elastic KV pool of %d blocks (%d tokens each) on %d pages of %d bytes "
             "(%s backend, limit %s)",
@@ -149,12 +151,35 @@ class ElasticKVManager:
         """The page allocator's snapshot (mapped, in use, reserved, misses, ...)."""
         return self.pages.stats()
 
+    def log_page_work(self, moment: str) -> None:
+        """Log at INFO what the page allocator did since the last such report (or start-up):
+        mapper calls on the scheduler's thread and in background rounds, and misses; nothing
+        when it did nothing. ``moment`` names the report's occasion (the allocator reports at
+        each cache clear, SGLang's ``/flush_cache``; the manager at shutdown), so a serving
+        run between two flushes has its own figures in the log."""
+        st = self.pages.stats()
+        now = (st.caller_mapper_calls, st.refill_mapper_calls, st.misses)
+        caller, background, misses = (a - b for a, b in zip(now, self._page_work, strict=True))
+        self._page_work = now
+        if caller or background or misses:
+            log.info(
+                "kvcore: page work since the last report (%s): mapper calls %d on the "
+                "scheduler's thread and %d in the background, %d misses; %d of %d pages mapped",
+                moment,
+                caller,
+                background,
+                misses,
+                st.mapped,
+                st.num_pages,
+            )
+
     def close(self) -> None:
         """Unmap every page and free the virtual ranges (the engine is going away), then
         leave the gate (and close the backend when this manager opened it). Idempotent;
         buffers handed out must not be used afterwards. Every part is released even when an
         earlier one fails; the first failure is raised after."""
         if self._once.begin():
+            self.log_page_work("shutdown")
             self.chain.close(on_error="raise")
 
 

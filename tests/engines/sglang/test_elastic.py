@@ -9,6 +9,8 @@ configurations fail at start-up naming the setting, elastic off is upstream's co
 from __future__ import annotations
 
 import argparse
+import logging
+import re
 from array import array
 from typing import Any
 
@@ -59,6 +61,35 @@ def test_the_page_thread_takes_the_configured_switch_interval(
     assert e.manager.pages.switch_interval == (
         pytest.approx(interval) if interval is not None else None
     )
+
+
+def test_each_cache_clear_reports_the_page_work_since_the_last(
+    make: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    e = make("on", size=2048, page_size=1)
+    a = e.allocator
+    caplog.set_level(logging.INFO, logger="kvcore.adapters.sglang.manager")
+
+    def reports() -> list[str]:
+        got = [r.getMessage() for r in caplog.records if "page work" in r.getMessage()]
+        caplog.clear()
+        return got
+
+    assert a.alloc(1500) is not None  # new pages, mapped on this (the scheduler's) thread
+    a.clear()  # SGLang's /flush_cache
+    (line,) = reports()
+    calls = re.search(
+        r"\(cache cleared\): mapper calls (\d+) on the scheduler's thread and 0", line
+    )
+    assert calls and int(calls.group(1)) >= 1 and "0 misses" in line
+    assert e.manager.pages.flush()  # the page thread unmaps what the clear freed
+    a.clear()
+    (line,) = reports()
+    assert re.search(
+        r"mapper calls 0 on the scheduler's thread and [1-9]\d* in the background", line
+    )
+    a.clear()  # nothing happened since: nothing to report
+    assert reports() == []
 
 
 def test_free_unmaps_empty_pages(make: Any) -> None:
