@@ -163,6 +163,9 @@ class _ElasticMixin:
         """``_fresh_ids``' one attempt at the ledger."""
         got = self.ledger.alloc_split(n)
         if got is None:
+            ledger = self.ledger
+            if not self._budgeted and ledger.geometry.num_blocks - ledger.used() >= n:
+                self.kvcore.report_unbudgeted_miss(n)  # the free count promised them
             return None
         ids, runs = got
         if not runs:

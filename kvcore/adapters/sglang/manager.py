@@ -173,6 +173,26 @@ class ElasticKVManager:
                 st.num_pages,
             )
 
+    def report_unbudgeted_miss(self, asked: int) -> None:
+        """Log at ERROR that an allocation of ``asked`` blocks missed on a pool without a
+        budget. The allocators call it on such a miss: there ``available_size()`` reports the
+        logical free count, so SGLang admitted work the device then had no memory for (or
+        the driver refused a page), and SGLang fails the allocation with its own "Out of
+        memory" error. The message says why and which setting prevents it."""
+        st = self.pages.stats()
+        log.error(
+            "kvcore: the device refused this elastic pool a page (%d blocks asked; %d of %d "
+            "pages mapped, %d misses so far): out of device memory, most likely taken by "
+            "other processes on the GPU. No budget is set, so SGLang's free count did not "
+            "see it coming and SGLang fails the allocation. Share one GPU between elastic "
+            "servers with --kvcore-config gpu_ledger, or cap this pool beside other "
+            "programs with limit_bytes: under a budget SGLang waits or retracts instead",
+            asked,
+            st.mapped,
+            st.num_pages,
+            st.misses,
+        )
+
     def close(self) -> None:
         """Unmap every page and free the virtual ranges (the engine is going away), then
         leave the gate (and close the backend when this manager opened it). Idempotent;

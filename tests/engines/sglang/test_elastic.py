@@ -152,6 +152,28 @@ def test_tight_budget_is_an_allocation_miss(make: Any) -> None:
     assert a.conservation_available_size() + 13 * 16 == 2048 + 16 - 16
 
 
+def test_device_out_of_memory_without_a_budget_says_which_setting_prevents_it(
+    make: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a host "device" of block 0's page, one more page (4 x 64 KiB each) and the zero page:
+    # no budget, so the free count is logical (2,048 tokens) and the third page misses
+    device = {"device_bytes": 2 * 4 * (1 << 16) + (1 << 16), "granularity": 1 << 16}
+    e = make("on", size=2048, page_size=16, backend_options=device)
+    a = e.allocator
+    caplog.set_level(logging.ERROR, logger="kvcore.adapters.sglang.manager")
+    assert a.available_size() == 2048
+    used_before = e.manager.ledger.used()
+    assert a.alloc(600 // 16 * 16) is None  # upstream's miss: SGLang raises its own error
+    assert e.manager.ledger.used() == used_before  # nothing half-allocated
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "device refused this elastic pool a page (37 blocks asked" in line
+    assert "gpu_ledger" in line and "limit_bytes" in line
+    caplog.clear()
+    assert a.alloc(3000) is None  # more than the pool holds: SGLang's own shortage
+    assert caplog.records == []
+    assert a.alloc(13 * 16) is not None  # the page that fits still serves
+
+
 def test_buffer_pointers_never_move(make: Any) -> None:
     e = make("on", size=2048, page_size=16)
     ptrs = [b.data_ptr() for b in (*e.pool.k_buffer, *e.pool.v_buffer)]
