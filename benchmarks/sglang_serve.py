@@ -88,6 +88,34 @@ def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 2) -> int:
     return int(config["num_hidden_layers"] * 2 * heads * head_dim * dtype_bytes)
 
 
+def overcommit(servers: int, kv_gib: float, beside_gib: float, device_bytes: int) -> str | None:
+    """Why ``servers`` servers of ``kv_gib`` of KV each, holding ``beside_gib`` beside it,
+    do not fit a device of ``device_bytes``, or ``None`` when they do. Every elastic pool
+    can be full at once (the radix cache keeps what its last run left), and the pool that
+    finds the device full fails SGLang's next allocation: a plan that does not fit measures
+    nothing."""
+    need = servers * (kv_gib + beside_gib) * GiB
+    if need <= device_bytes:
+        return None
+    return (
+        f"{servers} servers x ({kv_gib:g} GiB of KV + {beside_gib:g} GiB beside it, "
+        f"--beside-gib) = {need / GiB:.1f} GiB exceed the device's "
+        f"{device_bytes / GiB:.1f} GiB: lower --kv-gib or run fewer servers "
+        "(--modes, --variant)"
+    )
+
+
+def _device_bytes() -> int | None:
+    """GPU 0's memory from NVML; ``None`` where NVML is missing (a CPU machine)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total)
+    except Exception:  # no NVML library or no GPU: nothing to check against
+        return None
+
+
 def launch_server_cmd(
     model: str | Path, port: int, elastic: bool, kvcore_config: str | None, extra: list[str]
 ) -> list[str]:
@@ -258,6 +286,14 @@ def main(argv: list[str] | None = None) -> None:
         default=60.0,
         help="with --flush-cache, the most seconds to wait for a flushed pool (default 60)",
     )
+    parser.add_argument(
+        "--beside-gib",
+        type=float,
+        default=6.0,
+        help="device memory each server holds beside its KV (weights, CUDA graphs, "
+        "activations, its CUDA context; 5-6 GiB for the Qwen3-0.6B shape): the plan is "
+        "refused before any server starts when the servers' KV and this exceed the device",
+    )
     parser.add_argument("--port", type=int, default=30011, help="first server's port")
     parser.add_argument("--start-timeout", type=float, default=420.0)
     args = parser.parse_args(own)
@@ -269,6 +305,11 @@ def main(argv: list[str] | None = None) -> None:
     if len(set(names)) != len(names):
         parser.error(f"--variant names must differ: {names}")
     modes = [*args.modes, *names]
+    device = _device_bytes()
+    if device is not None:
+        refused = overcommit(len(modes), args.kv_gib, args.beside_gib, device)
+        if refused:
+            parser.error(refused)
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -106,6 +106,16 @@ def test_a_variant_is_a_named_json_object_other_than_a_mode() -> None:
             sglang_serve.parse_variant(bad)
 
 
+def test_a_plan_that_overcommits_the_device_is_refused_with_what_to_lower() -> None:
+    h100 = 81_559 << 20  # an H100 80GB's NVML total
+    # four servers of 20 GiB of KV beside 6 GiB each: the H100 run that lost its fourth server
+    why = sglang_serve.overcommit(4, 20.0, 6.0, h100)
+    assert why is not None
+    assert "104.0 GiB exceed the device's 79.6 GiB" in why and "--kv-gib" in why
+    assert sglang_serve.overcommit(3, 16.0, 6.0, h100) is None
+    assert sglang_serve.overcommit(4, 20.0, 6.0, 143_771 << 20) is None  # an H200
+
+
 def _serve(tmp_path: Path, servers: int, *args: str) -> tuple[int, Path, str]:
     """``benchmarks.sglang_serve`` with ``args`` over the stand-ins, in ``tmp_path``, on
     ``servers`` free ports from the first one it returns, a model of the Qwen3-0.6B shape;
