@@ -20,6 +20,11 @@ numbers it returns into upstream's own formula in place of the measured ones; ev
 after (multimodal reservation, Mamba sizing, the "raise --mem-fraction-static" error) stays
 upstream's. Device figures come from kvcore's VMM backend (``VmmBackend.mem_info``): on the
 host backend they are its configured ``device_bytes``.
+
+A pool without a budget that starts on a GPU where more than ``UNBUDGETED_SHARING_BYTES`` are
+held outside it (another engine, most likely) is logged as a warning naming ``gpu_ledger``
+and ``limit_bytes``: nothing coordinates its growth with the others, and SGLang fails an
+allocation when the device runs out under it.
 """
 
 from __future__ import annotations
@@ -42,6 +47,11 @@ log = logging.getLogger(__name__)
 _GIB = 1 << 30
 _FROM_SGLANG: Any = object()
 
+UNBUDGETED_SHARING_BYTES = 2 * _GIB
+"""Device memory held outside a server without a budget (``limit_bytes``, ``gpu_ledger``)
+beyond which ``elastic_memory_gb`` warns that it shares the GPU uncoordinated: above what
+this process's own CUDA context and the driver's reservations take."""
+
 
 @dataclass(frozen=True)
 class ElasticProfile:
@@ -58,6 +68,10 @@ class ElasticProfile:
     """Bytes this rank may map at most: min(ledger budget, ``limit_bytes``, device total)."""
     ranks: int
     """Ranks the minimum was taken over (1: no group)."""
+    others: int = 0
+    """Device memory held outside this rank's footprint when it was profiled (other
+    processes, and this process's CUDA context): ``total - free - footprint``. This rank's
+    own figure, not a minimum over the group."""
 
 
 def profile(
@@ -80,7 +94,9 @@ def profile(
     if backend is None:
         backend = open_backend(config.backend, device_index, **dict(config.backend_options))
     try:
-        total = int(backend.mem_info().total)
+        info = backend.mem_info()
+        total = int(info.total)
+        free = int(info.free)
         physical = min(total, config.limit_bytes if config.limit_bytes is not None else total)
         if config.gpu_ledger:
             physical = min(physical, _ledger_budget(config, backend, total))
@@ -89,6 +105,7 @@ def profile(
             backend.close()
     footprint = max(0, int(pre_model_load_bytes) - int(available_bytes))
     logical = int(total * mem_fraction_static) - footprint
+    others = max(0, total - free - footprint)
     ranks = 1
     if group is not None:
         import torch
@@ -98,7 +115,7 @@ def profile(
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
         total, logical, physical = (int(v) for v in t.tolist())
         ranks = int(dist.get_world_size(group))
-    return ElasticProfile(total, footprint, logical, physical, ranks)
+    return ElasticProfile(total, footprint, logical, physical, ranks, others)
 
 
 def elastic_memory_gb(
@@ -145,6 +162,16 @@ def elastic_memory_gb(
         available_gb,
         pre_model_load_gb,
     )
+    if cfg.limit_bytes is None and not cfg.gpu_ledger and p.others > UNBUDGETED_SHARING_BYTES:
+        log.warning(
+            "kvcore: %.2f GiB of this GPU are held outside this server and its pool has no "
+            "budget: the pool may grow to %.2f GiB of KV, and if the device runs out under "
+            "it SGLang fails an allocation ('Out of memory'). Start every elastic server "
+            "on this GPU with --kvcore-config '{\"gpu_ledger\": true}' (they then share one "
+            "budget), or cap this one with limit_bytes",
+            p.others / _GIB,
+            p.logical / _GIB,
+        )
     pre = p.device_total / _GIB
     return p.logical / _GIB + pre * (1 - mem_fraction_static), pre
 

@@ -141,6 +141,49 @@ def test_memory_another_instance_holds_does_not_shrink_a_new_instance() -> None:
 
 
 @pytest.mark.parametrize(
+    ("held_gib", "extra", "warned"),
+    [(4, {}, True), (2, {}, False), (4, {"limit_bytes": 2 * GIB}, False)],
+    ids=["shared", "alone", "budget"],
+)
+def test_an_unbudgeted_pool_on_a_shared_gpu_is_warned_about(
+    caplog: pytest.LogCaptureFixture, held_gib: int, extra: dict[str, Any], warned: bool
+) -> None:
+    """Another process holds ``held_gib`` of the device (host backend, shared accounting)
+    when this server profiles; the server's own 1 GiB footprint is not on the host device,
+    so it counts 1 GiB less outside itself. Above 2 GiB and without a budget the start-up
+    log says the pool's growth is uncoordinated and names the settings; with a budget, or
+    alone, it says nothing."""
+    import logging
+
+    from kvcore.vmm.host import HostBackend
+
+    opts = {"device_bytes": 8 * GIB, "granularity": 1 << 20, "shared_accounting": True}
+    other = HostBackend(9, device_bytes=8 * GIB, granularity=1 << 20, shared_accounting=True)
+    caplog.set_level(logging.WARNING, logger="kvcore.adapters.sglang.profiling")
+    try:
+        held = [other.create(1 << 30) for _ in range(held_gib)]
+        elastic_memory_gb(
+            {"backend": "host", "backend_options": opts, **extra},
+            pre_model_load_gb=8.0,
+            available_gb=7.0,  # this server's own 1 GiB, held nowhere on the host device
+            device_index=9,
+            mem_fraction_static=0.5,
+            cpu_group=None,
+        )
+        for h in held:
+            other.release(h)
+    finally:
+        other.close()
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if not warned:
+        assert lines == []
+        return
+    (line,) = lines
+    assert line.startswith("kvcore: 3.00 GiB of this GPU are held outside this server")
+    assert "gpu_ledger" in line and "limit_bytes" in line
+
+
+@pytest.mark.parametrize(
     ("extra", "physical"),
     [({}, 64), ({"limit_bytes": 24 * GIB}, 24), ({"gpu_ledger": True}, 40)],
     ids=["device", "limit", "ledger-budget"],
