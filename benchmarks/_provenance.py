@@ -51,8 +51,11 @@ def add_output_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def write_json(results: dict[str, Any], path: str | None) -> None:
-    """Write ``results`` to ``path`` (nothing when ``None``) and say so."""
+def write_json(results: dict[str, Any], path: str | None, *, announce: bool = True) -> None:
+    """Write ``results`` to ``path`` (nothing when ``None``) and, with ``announce``, say so
+    (a benchmark that rewrites its file after each row, so that a timeout keeps the rows
+    done, announces only the last write)."""
     if path:
         Path(path).write_text(json.dumps(results, indent=1))
-        print(f"wrote {path}")
+        if announce:
+            print(f"wrote {path}")

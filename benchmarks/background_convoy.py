@@ -26,7 +26,9 @@ And for three pieces of work, two of the page thread's and one of the engine's:
 Beside each time, the busy thread's loop count per second during the work, as a ratio of
 its count in the 0.3 s just before (the page thread idle), and the time that ratio loses
 over the work (``(1 - ratio) x busy time``): what the page thread's work costs the
-engine's thread, at either interval. Medians of ``--repeats``.
+engine's thread, at either interval. Medians of ``--repeats``. ``--json`` is rewritten
+after each row (``complete`` false until the last), so a run its timeout stops keeps the
+rows it finished.
 
     python3 -m benchmarks.background_convoy --backend cuda --json $OUT/convoy.json
     python3 -m benchmarks.background_convoy                    # host backend, CPU
@@ -192,10 +194,27 @@ def _measure(
     return out
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(
+    args: argparse.Namespace, on_row: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """Every row of ``--switch-us`` x ``WORKS``; the results (``complete`` true). After each
+    row, ``on_row`` gets the results so far (``complete`` false): a run cut short by a
+    timeout keeps the rows it finished."""
     backend, cache, mapper = _stack(args)
     handles = args.pages * 2 * args.layers
     rows: list[dict[str, Any]] = []
+    results = {
+        "benchmark": "background_convoy",
+        "commit": args.commit or _provenance.commit("kvcore", "benchmarks/background_convoy.py"),
+        "date": _provenance.now(),
+        "backend": args.backend,
+        "layers": args.layers,
+        "page_bytes": int(args.page_mib * MiB),
+        "repeats": args.repeats,
+        "default_switch_interval_s": sys.getswitchinterval(),
+        "complete": False,
+        "results": rows,
+    }
     try:
         for us in args.switch_us:
             switch_s = us * 1e-6 if us else None
@@ -216,21 +235,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 rows.append(row)
                 _print_row(row)
+                if on_row is not None:
+                    on_row(results)
     finally:
         mapper.close()
         cache.close()
         backend.close()
-    return {
-        "benchmark": "background_convoy",
-        "commit": args.commit or _provenance.commit("kvcore", "benchmarks/background_convoy.py"),
-        "date": _provenance.now(),
-        "backend": args.backend,
-        "layers": args.layers,
-        "page_bytes": int(args.page_mib * MiB),
-        "repeats": args.repeats,
-        "default_switch_interval_s": sys.getswitchinterval(),
-        "results": rows,
-    }
+    results["complete"] = True
+    return results
 
 
 def _print_row(row: dict[str, Any]) -> None:
@@ -277,7 +289,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    _provenance.write_json(run(args), args.json)
+    results = run(args, lambda so_far: _provenance.write_json(so_far, args.json, announce=False))
+    _provenance.write_json(results, args.json)
     return 0
 
 
