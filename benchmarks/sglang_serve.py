@@ -21,9 +21,13 @@ Arguments after ``--`` go to every server (the GPU machine's flags: ``--attentio
 triton --sampling-backend pytorch --grammar-backend none``; ``--page-size 16`` for the paged
 allocator). Then ``--repeats`` interleaved rounds (``serve_rounds.run_rounds``), each run by
 SGLang's own client as users run it, ``python -m sglang.benchmark.serving --backend sglang``
-(in a subprocess: its options are built inside its ``cli_main``): ``random-ids`` prompts of
-exactly ``--input-len`` tokens (token ids, no dataset download), ``--output-len`` tokens out
-(``ignore_eos``, SGLang's client default), seed = the round. Counters come from the
+(in a subprocess: its options are built inside its ``cli_main``): ``random-ids`` prompts
+(no dataset download) of ``--input-len`` random token ids, which the client decodes to text
+and the server tokenizes again, so a prompt reaches the server as about 1.9x as many tokens
+for the Qwen3 tokenizer (1,909-2,013 for 1,024; the run's ``sglang:prompt_tokens_total``
+counter says how many), or, with ``--tokenize-prompt``, sent as the ids themselves, exactly
+``--input-len`` tokens; ``--output-len`` tokens out (``ignore_eos``, SGLang's client
+default), seed = the round. Counters come from the
 servers' ``/metrics`` (``--enable-metrics``): retractions (SGLang's preemption), cached and
 generated tokens. With ``--flush-cache`` every client run is preceded, outside what the run
 measures, by SGLang's own ``POST /flush_cache`` on its server, which empties the radix cache
@@ -224,6 +228,23 @@ class _Flush:
         return {"give_back": got}
 
 
+def client_cmd(
+    model: str, args: Any, port: int, rate: str, num_prompts: int, seed: int, out: Path
+) -> list[str]:
+    """SGLang's own client (``python -m sglang.benchmark.serving``) for one run against the
+    server on ``port``: ``num_prompts`` ``random-ids`` prompts at ``rate``, seeded, its
+    result line appended to ``out`` (module docstring: the prompts' lengths)."""
+    cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang",
+           "--base-url", f"http://127.0.0.1:{port}", "--model", model, "--tokenizer", model,
+           "--dataset-name", "random-ids", "--random-input-len", str(args.input_len),
+           "--random-output-len", str(args.output_len), "--random-range-ratio", "1.0",
+           "--num-prompts", str(num_prompts), "--request-rate", rate, "--seed", str(seed),
+           "--output-file", str(out), "--disable-tqdm"]  # fmt: skip
+    if args.tokenize_prompt:
+        cmd.append("--tokenize-prompt")
+    return cmd
+
+
 def _run_bench(
     model: str, args: Any, work: Path, server: Any, rate: str, seed: int
 ) -> dict[str, Any]:
@@ -232,12 +253,7 @@ def _run_bench(
     num_prompts = args.num_prompts if rate == "inf" else args.num_prompts_rate
     port = server.port
     out = work / f"bench-{port}-{rate}-{seed}.jsonl"
-    cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang",
-           "--base-url", f"http://127.0.0.1:{port}", "--model", model, "--tokenizer", model,
-           "--dataset-name", "random-ids", "--random-input-len", str(args.input_len),
-           "--random-output-len", str(args.output_len), "--random-range-ratio", "1.0",
-           "--num-prompts", str(num_prompts), "--request-rate", rate, "--seed", str(seed),
-           "--output-file", str(out), "--disable-tqdm"]  # fmt: skip
+    cmd = client_cmd(model, args, port, rate, num_prompts, seed, out)
     run = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if not out.exists():
         raise RuntimeError(
@@ -293,6 +309,13 @@ def main(argv: list[str] | None = None) -> None:
         help="device memory each server holds beside its KV (weights, CUDA graphs, "
         "activations, its CUDA context; 5-6 GiB for the Qwen3-0.6B shape): the plan is "
         "refused before any server starts when the servers' KV and this exceed the device",
+    )
+    parser.add_argument(
+        "--tokenize-prompt",
+        action="store_true",
+        help="send each prompt as token ids (SGLang's client --tokenize-prompt): exactly "
+        "--input-len tokens; without it the client sends text that the server tokenizes "
+        "into about 1.9x as many (the load of every figure before this option)",
     )
     parser.add_argument("--port", type=int, default=30011, help="first server's port")
     parser.add_argument("--start-timeout", type=float, default=420.0)

@@ -116,6 +116,19 @@ def test_a_plan_that_overcommits_the_device_is_refused_with_what_to_lower() -> N
     assert sglang_serve.overcommit(4, 20.0, 6.0, 143_771 << 20) is None  # an H200
 
 
+def test_the_client_sends_token_ids_only_when_asked(tmp_path: Path) -> None:
+    import argparse
+
+    args = argparse.Namespace(input_len=1024, output_len=128, tokenize_prompt=False)
+    out = tmp_path / "r.jsonl"
+    text = sglang_serve.client_cmd("m", args, 30011, "inf", 1500, 2, out)
+    assert text[text.index("--random-input-len") + 1] == "1024"
+    assert text[text.index("--num-prompts") + 1] == "1500" and "--tokenize-prompt" not in text
+    args.tokenize_prompt = True
+    ids = sglang_serve.client_cmd("m", args, 30011, "inf", 1500, 2, out)
+    assert ids == [*text, "--tokenize-prompt"]
+
+
 def _serve(tmp_path: Path, servers: int, *args: str) -> tuple[int, Path, str]:
     """``benchmarks.sglang_serve`` with ``args`` over the stand-ins, in ``tmp_path``, on
     ``servers`` free ports from the first one it returns, a model of the Qwen3-0.6B shape;
