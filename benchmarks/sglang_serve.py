@@ -24,10 +24,10 @@ SGLang's own client as users run it, ``python -m sglang.benchmark.serving --back
 (in a subprocess: its options are built inside its ``cli_main``): ``random-ids`` prompts
 (no dataset download) of ``--input-len`` random token ids, which the client decodes to text
 and the server tokenizes again, so a prompt reaches the server as about 1.9x as many tokens
-for the Qwen3 tokenizer (1,909-2,013 for 1,024; the run's ``sglang:prompt_tokens_total``
-counter says how many), or, with ``--tokenize-prompt``, sent as the ids themselves, exactly
-``--input-len`` tokens; ``--output-len`` tokens out (``ignore_eos``, SGLang's client
-default), seed = the round. Counters come from the
+for the Qwen3 tokenizer (about 1,900-2,000 for 1,024; the run's
+``sglang:prompt_tokens_total`` counter says how many), or, with ``--tokenize-prompt``, as
+the ids themselves, exactly ``--input-len`` tokens; ``--output-len`` tokens out
+(``ignore_eos``, SGLang's client default), seed = the round. Counters come from the
 servers' ``/metrics`` (``--enable-metrics``): retractions (SGLang's preemption), cached and
 generated tokens. With ``--flush-cache`` every client run is preceded, outside what the run
 measures, by SGLang's own ``POST /flush_cache`` on its server, which empties the radix cache
