@@ -47,6 +47,10 @@ STOP_ALLOWANCE_S = 30.0
 
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 """What every client result must hold (``None`` where the client could not measure it)."""
+LOAD = ("completed", "duration", "total_input_tokens", "total_output_tokens")
+"""What the client says the run's load was, kept beside ``METRICS`` in each run's record:
+requests finished, seconds, and the prompt and output tokens the server saw (SGLang's and
+vLLM's clients both report them), so the stated lengths can be checked."""
 
 
 class ModeServer(Protocol):

@@ -59,7 +59,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serve_rounds import METRICS, add_round_args, print_summary, run_rounds
+from benchmarks.serve_rounds import LOAD, METRICS, add_round_args, print_summary, run_rounds
 from benchmarks.vllm_servers import ServeProcess, SessionMemory, wait_down_to
 
 MODES = {"off": False, "on": True}
@@ -261,9 +261,7 @@ def _run_bench(
             + (run.stdout + run.stderr)[-3000:]
         )
     data = json.loads(out.read_text().splitlines()[-1])
-    return {k: data.get(k) for k in (*METRICS, "completed", "duration")} | {
-        "num_prompts": num_prompts
-    }
+    return {k: data.get(k) for k in (*METRICS, *LOAD)} | {"num_prompts": num_prompts}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -43,7 +43,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serve_rounds import METRICS, add_round_args, print_summary, run_rounds
+from benchmarks.serve_rounds import LOAD, METRICS, add_round_args, print_summary, run_rounds
 from benchmarks.vllm_servers import CLI, ServeProcess
 
 MODES: dict[str, tuple[bool, str | None, dict[str, int]]] = {
@@ -109,7 +109,7 @@ def _bench(model: str, port: int, rate: str, seed: int, args: Any) -> dict[str, 
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99"]  # fmt: skip
     with contextlib.redirect_stdout(io.StringIO()):
         data = bench.main(parser.parse_args(argv))
-    return {k: data.get(k) for k in (*METRICS, "completed", "num_prompts", "duration")}
+    return {k: data.get(k) for k in (*METRICS, *LOAD, "num_prompts")}
 
 
 def run_model(model: str, args: Any, workdir: Path, results: list[dict[str, Any]]) -> None:

@@ -66,7 +66,8 @@ urllib.request.urlopen(urllib.request.Request(url + "/run", b"", method="POST"))
 slow = 1.1 if url.endswith("1") else 1.0
 line = {"output_throughput": 1000 / slow, "median_ttft_ms": 10 * slow, "p99_ttft_ms": 20.0,
         "median_tpot_ms": 5 * slow, "p99_tpot_ms": 9.0, "duration": 1.0, "argv": a[1:],
-        "completed": int(a[a.index("--num-prompts") + 1])}
+        "completed": int(a[a.index("--num-prompts") + 1]),
+        "total_input_tokens": 2000 * int(a[a.index("--num-prompts") + 1])}
 open(a[a.index("--output-file") + 1], "a").write(json.dumps(line) + "\\n")
 """
 
@@ -184,6 +185,9 @@ def test_rounds_of_both_modes_with_sglangs_client(tmp_path: Path) -> None:
         ("off", 0), ("on", 0), ("kept", 0), ("on", 1), ("kept", 1), ("off", 1)
     ]  # the order rotates between rounds  # fmt: skip
     assert all(r["completed"] == 7 and r["num_prompts"] == 7 for r in runs)
+    # the load the client reports is kept (the prompt tokens the server saw)
+    assert all(r["total_input_tokens"] == 14000 for r in runs)
+    assert all(r["total_output_tokens"] is None for r in runs)  # the stand-in leaves it out
     # without --flush-cache the servers see only the client's requests
     assert (tmp_path / f"{port}.calls").read_text() == "/run\n" * 2
     # the server's counter moved by one client run each time
