@@ -72,6 +72,13 @@ class ElasticConfig:
     background_switch_us: int = round(DEFAULT_BACKGROUND_SWITCH_S * 1e6)
 
     @property
+    def budgeted(self) -> bool:
+        """Whether this rank's physical memory has a budget (``limit_bytes`` or
+        ``gpu_ledger``); without one the pool is bounded only by its logical size and the
+        device."""
+        return self.limit_bytes is not None or self.gpu_ledger
+
+    @property
     def background_switch_s(self) -> float | None:
         """``background_switch_us`` in seconds, ``None`` for 0 (the interval left alone)."""
         return self.background_switch_us * 1e-6 if self.background_switch_us else None

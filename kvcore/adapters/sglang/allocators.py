@@ -89,7 +89,7 @@ class _ElasticMixin:
         self.kvcore = manager
         self.ledger = manager.ledger
         self.max_cached_tokens = manager.config.max_cached_tokens
-        self._budgeted = manager.config.limit_bytes is not None or manager.config.gpu_ledger
+        self._budgeted = manager.config.budgeted
         self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
         self._on_cpu = self._empty.device.type == "cpu"  # read once: .device builds an object
         # host-to-device copies of the ledger's ids go through one pinned buffer

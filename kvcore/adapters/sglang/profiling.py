@@ -162,7 +162,7 @@ def elastic_memory_gb(
         available_gb,
         pre_model_load_gb,
     )
-    if cfg.limit_bytes is None and not cfg.gpu_ledger and p.others > UNBUDGETED_SHARING_BYTES:
+    if not cfg.budgeted and p.others > UNBUDGETED_SHARING_BYTES:
         log.warning(
             "kvcore: %.2f GiB of this GPU are held outside this server and its pool has no "
             "budget: the pool may grow to %.2f GiB of KV, and if the device runs out under "

@@ -258,7 +258,7 @@ class ElasticScope:
         their own micro-batches from their own allocator, running skewed; agreeing them would
         take a cross-stage collective at every allocation, ordered against the stages'
         point-to-point transfers, so a budget at PP > 1 is refused."""
-        budget = self.config.limit_bytes is not None or self.config.gpu_ledger
+        budget = self.config.budgeted
         tp, pp = _parallel_sizes()
         if budget and pp > 1:
             raise UnsupportedConfiguration(
@@ -327,7 +327,7 @@ def _tp_agreement(config: ElasticConfig) -> RankAgreement | None:
     """The attention-TP CPU group's agreement when a physical budget is set at attention-TP
     > 1; ``None`` without a budget (capacity is logical) or with one rank. Raises
     ``UnsupportedConfiguration`` when TP > 1 but SGLang built no such group here."""
-    if config.limit_bytes is None and not config.gpu_ledger:
+    if not config.budgeted:
         return None
     from sglang.srt.runtime_context import get_parallel
 

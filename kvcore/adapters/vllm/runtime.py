@@ -214,7 +214,7 @@ def elastic_settings(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
             before[0],
             kv_cache_config.num_blocks,
         )
-    if config.gpu_ledger or config.limit_bytes is not None:
+    if config.budgeted:
         log.info(
             "kvcore: pages a waiting neighbour or a lowered limit wants back: %s",
             "running requests alone on them are preempted"
