@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import sglang_serve
+from benchmarks.serve_rounds import METRICS, summarize
 
 from .ports import free_ports
 
@@ -262,3 +263,22 @@ def test_a_time_limit_ends_the_rounds_whole(tmp_path: Path) -> None:
     assert "round 1 of 3 not started" in stdout
     # the servers were still stopped and their logs kept
     assert (tmp_path / "serve-qwen3-0.6b-on.log.gz").exists()
+
+
+def test_the_first_round_and_the_later_ones_are_summarized_apart() -> None:
+    # an elastic pool fills in its first round and is mapped in the later ones: the summary
+    # keeps the fill and the serving after it apart, as well as the median over all rounds
+    def run(mode: str, r: int, tok_s: float) -> dict[str, object]:
+        return {"mode": mode, "rate": "inf", "round": r, "output_throughput": tok_s,
+                **{m: 1.0 for m in METRICS if m != "output_throughput"}}  # fmt: skip
+
+    runs = [run("off", r, 100.0) for r in range(3)]
+    runs += [run("on", 0, 90.0), run("on", 1, 99.0), run("on", 2, 101.0)]
+    (row,) = summarize([{"model": "m", "modes": ["off", "on"], "runs": runs}])
+    assert row["first_output_throughput_on_ratio"] == pytest.approx(0.90)
+    assert row["later_output_throughput_on_ratio"] == pytest.approx(1.00)
+    assert row["output_throughput_on_ratio"] == pytest.approx(0.99)
+    # one round: nothing after the first
+    (row,) = summarize([{"model": "m", "modes": ["off", "on"], "runs": runs[:1] + runs[3:4]}])
+    assert row["later_output_throughput_on"] is None
+    assert row["later_output_throughput_on_ratio"] is None
