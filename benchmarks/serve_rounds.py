@@ -12,6 +12,14 @@ whole log is kept beside ``--out`` (``<out stem>-<model>-<mode>.log.gz``). Devic
 sampled through NVML while the servers run (``vllm_servers.MemorySampler``). ``summarize``
 gives per rate each mode's median over the rounds and its ratio to ``off``.
 
+Before the rounds, each server gets ``--warmup-prompts`` prompts at rate inf, unmeasured
+(the record keeps only their duration under ``"warmup"``). The engines' Triton kernels are
+compiled the first time each shape runs and kept in Triton's on-disk cache, which every
+server on the machine shares: without a warm-up, the server measured first in round 0 pays
+for compiling what the others then load, seconds on a fresh GPU machine. The warm-up also
+maps pages of an elastic pool; ``--flush-cache`` empties the pools before every measured
+run when the first fill is what is measured.
+
 ``--time-limit-s`` fits the rounds to a call's limit (a device call, ``timeout``): a round
 starts only when, at the pace of the longest round so far, it and the servers' stop fit in
 what is left of the limit, counted from this module's import (the benchmark's start, server
@@ -66,9 +74,13 @@ class ModeServer(Protocol):
     def metrics(self, names: Sequence[str]) -> dict[str, float]: ...
 
 
-Bench = Callable[[ModeServer, str, int], dict[str, Any]]
-"""One client run: ``(server, rate, seed)`` -> at least ``METRICS``, ``completed``,
-``num_prompts`` and ``duration``."""
+Bench = Callable[[ModeServer, str, int, int], dict[str, Any]]
+"""One client run: ``(server, rate, seed, num_prompts)`` -> at least ``METRICS``,
+``completed``, ``num_prompts`` and ``duration``."""
+
+WARMUP_SEED = 10_000
+"""The warm-up runs' seed: no round's (rounds are seeded 0, 1, ...), so no round's prompts hit
+what a warm-up left in a prefix cache."""
 
 
 class _PySpy:
@@ -141,6 +153,9 @@ def run_rounds(
         print(f"{name}: up in " + ", ".join(f"{s.mode} {s.start_s} s" for s in servers))
         sampler.phase = "idle"
         time.sleep(3.0)
+        if args.warmup_prompts:
+            took = result["warmup"] = _warm_up(servers, bench, args.warmup_prompts, sampler)
+            print(f"{name}: warmed up " + ", ".join(f"{m} {t:.1f} s" for m, t in took.items()))
         round_s: list[float] = []  # wall seconds of each finished round
         for r in range(args.repeats):
             stop = _out_of_time(args, r, round_s)
@@ -161,7 +176,7 @@ def run_rounds(
                             args.py_spy_args.split(),
                         )  # fmt: skip
                     cpu0, count0 = cpu_seconds(s.proc.pid), s.metrics(counters)
-                    got = bench(s, rate, r)
+                    got = bench(s, rate, r, _num_prompts(args, rate))
                     got["cpu_s"] = delta(cpu_seconds(s.proc.pid), cpu0)
                     got["counters"] = delta(s.metrics(counters), count0)
                     if spy is not None:
@@ -191,6 +206,26 @@ def run_rounds(
             kept = args.out.with_name(f"{args.out.stem}-{name}-{s.mode}.log.gz")
             kept.write_bytes(gzip.compress(log))
         write(args, results)
+
+
+def _num_prompts(args: Any, rate: str) -> int:
+    """The prompts of one measured run at ``rate``."""
+    return int(args.num_prompts if rate == "inf" else args.num_prompts_rate)
+
+
+def _warm_up(
+    servers: Sequence[ModeServer], bench: Bench, prompts: int, sampler: MemorySampler
+) -> dict[str, float]:
+    """One unmeasured run of ``prompts`` prompts at rate inf against each server, in order;
+    the seconds each took, by mode."""
+    took: dict[str, float] = {}
+    for s in servers:
+        sampler.phase = f"{s.mode} warm-up"
+        began = time.monotonic()
+        bench(s, "inf", WARMUP_SEED, prompts)
+        took[s.mode] = round(time.monotonic() - began, 2)
+    sampler.phase = "idle"
+    return took
 
 
 def _out_of_time(args: Any, r: int, round_s: list[float]) -> str | None:
@@ -271,6 +306,14 @@ def add_round_args(parser: Any) -> None:
     parser.add_argument("--rates", nargs="+", default=["inf", "16"])
     parser.add_argument("--num-prompts", type=int, default=500, help="at rate inf")
     parser.add_argument("--num-prompts-rate", type=int, default=240, help="at a finite rate")
+    parser.add_argument(
+        "--warmup-prompts",
+        type=int,
+        default=64,
+        help="an unmeasured run of this many prompts at rate inf against each server before "
+        "the rounds, so that no mode pays for compiling the kernels the others share "
+        "through Triton's disk cache; 0: none",
+    )
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument(

@@ -246,11 +246,11 @@ def client_cmd(
 
 
 def _run_bench(
-    model: str, args: Any, work: Path, server: Any, rate: str, seed: int
+    model: str, args: Any, work: Path, server: Any, rate: str, seed: int, num_prompts: int
 ) -> dict[str, Any]:
-    """One ``python -m sglang.benchmark.serving`` run against ``server``; its result line.
-    Raises ``RuntimeError`` with the client's output when it writes no result."""
-    num_prompts = args.num_prompts if rate == "inf" else args.num_prompts_rate
+    """One ``python -m sglang.benchmark.serving`` run of ``num_prompts`` against ``server``;
+    its result line. Raises ``RuntimeError`` with the client's output when it writes no
+    result."""
     port = server.port
     out = work / f"bench-{port}-{rate}-{seed}.jsonl"
     cmd = client_cmd(model, args, port, rate, num_prompts, seed, out)

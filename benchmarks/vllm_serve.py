@@ -94,12 +94,14 @@ class Server(ServeProcess):
         super().__init__(cmd, env, port, workdir / f"serve-{Path(model).name}-{mode}.log", mode)
 
 
-def _bench(model: str, port: int, rate: str, seed: int, args: Any) -> dict[str, Any]:
-    """One ``vllm bench serve`` run against ``port`` (vLLM's client, in this process)."""
+def _bench(
+    model: str, port: int, rate: str, seed: int, num_prompts: int, args: Any
+) -> dict[str, Any]:
+    """One ``vllm bench serve`` run of ``num_prompts`` against ``port`` (vLLM's client, in
+    this process)."""
     from vllm.benchmarks import serve as bench
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    num_prompts = args.num_prompts if rate == "inf" else args.num_prompts_rate
     parser = FlexibleArgumentParser()
     bench.add_cli_args(parser)
     argv = ["--backend", "vllm", "--model", model, "--base-url", f"http://127.0.0.1:{port}",
@@ -116,7 +118,7 @@ def run_model(model: str, args: Any, workdir: Path, results: list[dict[str, Any]
     """Serve ``model`` in every mode of ``args.modes`` and run the rounds on it."""
     servers = [Server(model, m, args.port + i, args, workdir) for i, m in enumerate(args.modes)]
     run_rounds(
-        model, servers, lambda s, rate, seed: _bench(model, s.port, rate, seed, args),
+        model, servers, lambda s, rate, seed, n: _bench(model, s.port, rate, seed, n, args),
         COUNTERS, args, results,
     )  # fmt: skip
 

@@ -64,6 +64,8 @@ import json, sys, urllib.request
 a = sys.argv
 url = a[a.index("--base-url") + 1]
 urllib.request.urlopen(urllib.request.Request(url + "/run", b"", method="POST"))
+seed, prompts = a[a.index("--seed") + 1], a[a.index("--num-prompts") + 1]
+open(url.rsplit(":", 1)[1] + ".clients", "a").write(f"{seed} {prompts}\\n")
 slow = 1.1 if url.endswith("1") else 1.0
 line = {"output_throughput": 1000 / slow, "median_ttft_ms": 10 * slow, "p99_ttft_ms": 20.0,
         "median_tpot_ms": 5 * slow, "p99_tpot_ms": 9.0, "duration": 1.0, "argv": a[1:],
@@ -164,7 +166,8 @@ def _serve(tmp_path: Path, servers: int, *args: str) -> tuple[int, Path, str]:
 def test_rounds_of_both_modes_with_sglangs_client(tmp_path: Path) -> None:
     port, out, stdout = _serve(
         tmp_path, 3, "--rates", "inf", "--kvcore-config", '{"reserve_min": 2}',
-        "--variant", 'kept={"reserve_max": 16}', "--", "--attention-backend", "triton",
+        "--variant", 'kept={"reserve_max": 16}', "--warmup-prompts", "5",
+        "--", "--attention-backend", "triton",
     )  # fmt: skip
 
     off_cmd = json.loads((tmp_path / f"{port}.cmd").read_text())
@@ -189,8 +192,13 @@ def test_rounds_of_both_modes_with_sglangs_client(tmp_path: Path) -> None:
     # the load the client reports is kept (the prompt tokens the server saw)
     assert all(r["total_input_tokens"] == 14000 for r in runs)
     assert all(r["total_output_tokens"] is None for r in runs)  # the stand-in leaves it out
-    # without --flush-cache the servers see only the client's requests
-    assert (tmp_path / f"{port}.calls").read_text() == "/run\n" * 2
+    # without --flush-cache the servers see only the client's requests: first the warm-up
+    # (its own seed, no round's, and --warmup-prompts prompts), then one run a round
+    assert (tmp_path / f"{port}.calls").read_text() == "/run\n" * 3
+    for p in (port, port + 1, port + 2):
+        assert (tmp_path / f"{p}.clients").read_text() == "10000 5\n0 7\n1 7\n"
+    assert set(doc["results"][0]["warmup"]) == {"off", "on", "kept"}
+    assert "qwen3-0.6b: warmed up off " in stdout
     # the server's counter moved by one client run each time
     assert all(r["counters"] == {"sglang:generation_tokens_total": 100.0} for r in runs)
     (row,) = doc["summary"]
@@ -210,8 +218,8 @@ def test_flush_cache_empties_each_server_before_each_run(tmp_path: Path) -> None
     port, out, _ = _serve(
         tmp_path, 2, "--rates", "inf", "16", "--num-prompts-rate", "3", "--flush-cache"
     )
-    for p in (port, port + 1):
-        assert (tmp_path / f"{p}.calls").read_text() == "/flush_cache\n/run\n" * 4
+    for p in (port, port + 1):  # the warm-up (default 64 prompts) first, never flushed
+        assert (tmp_path / f"{p}.calls").read_text() == "/run\n" + "/flush_cache\n/run\n" * 4
     runs = json.loads(out.read_text())["results"][0]["runs"]
     assert len(runs) == 8
     assert all(r["counters"] == {"sglang:generation_tokens_total": 100.0} for r in runs)
