@@ -133,7 +133,8 @@ def run_rounds(
     prepare: Callable[[ModeServer], dict[str, Any] | None] | None = None,
 ) -> None:
     """Wait for ``servers`` (all of ``model``), run the rounds, stop them. ``prepare``, if
-    given, is called on a server before each of its client runs, outside what the run
+    given, is called on a server before each of its client runs (the warm-up's too), outside
+    what the run
     measures (its CPU seconds, counters and py-spy samples); what it returns joins the run's
     record. The model's result
     joins ``results``, written to ``args.out`` after every client run (a run cut short keeps
@@ -154,7 +155,9 @@ def run_rounds(
         sampler.phase = "idle"
         time.sleep(3.0)
         if args.warmup_prompts:
-            took = result["warmup"] = _warm_up(servers, bench, args.warmup_prompts, sampler)
+            took = result["warmup"] = _warm_up(
+                servers, bench, args.warmup_prompts, sampler, prepare
+            )
             print(f"{name}: warmed up " + ", ".join(f"{m} {t:.1f} s" for m, t in took.items()))
         round_s: list[float] = []  # wall seconds of each finished round
         for r in range(args.repeats):
@@ -214,12 +217,19 @@ def _num_prompts(args: Any, rate: str) -> int:
 
 
 def _warm_up(
-    servers: Sequence[ModeServer], bench: Bench, prompts: int, sampler: MemorySampler
+    servers: Sequence[ModeServer],
+    bench: Bench,
+    prompts: int,
+    sampler: MemorySampler,
+    prepare: Callable[[ModeServer], dict[str, Any] | None] | None,
 ) -> dict[str, float]:
-    """One unmeasured run of ``prompts`` prompts at rate inf against each server, in order;
-    the seconds each took, by mode."""
+    """One unmeasured run of ``prompts`` prompts at rate inf against each server, in order,
+    each after ``prepare`` as a measured run (``--flush-cache`` takes each pool's empty size
+    at its first call: before the warm-up maps pages); the seconds each run took, by mode."""
     took: dict[str, float] = {}
     for s in servers:
+        if prepare is not None:
+            prepare(s)
         sampler.phase = f"{s.mode} warm-up"
         began = time.monotonic()
         bench(s, "inf", WARMUP_SEED, prompts)

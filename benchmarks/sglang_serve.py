@@ -202,10 +202,10 @@ GIVE_BACK_SLACK = 256 << 20
 class _Flush:
     """``--flush-cache``'s step before each client run: SGLang's ``POST /flush_cache``, then,
     on an elastic server, a wait until its driver memory is back to what it held before its
-    first run (its empty pool) within ``GIVE_BACK_SLACK``, so that the run is a first fill
-    and not a fill beside pages still being unmapped. The run's record gets ``give_back``:
-    the bytes before and after and the seconds the pool took to give back what the flush
-    freed (``vllm_servers.wait_down_to``; ``reached`` false after ``timeout_s``)."""
+    first run, the warm-up (its empty pool), within ``GIVE_BACK_SLACK``, so that the run is
+    a first fill and not a fill beside pages still being unmapped. The run's record gets
+    ``give_back``: the bytes before and after and the seconds the pool took to give back what
+    the flush freed (``vllm_servers.wait_down_to``; ``reached`` false after ``timeout_s``)."""
 
     def __init__(self, servers: list[Any], timeout_s: float) -> None:
         self._memory = SessionMemory({s.proc.pid: s.mode for s in servers})
