@@ -132,18 +132,17 @@ def run_rounds(
     results: list[dict[str, Any]],
     prepare: Callable[[ModeServer], dict[str, Any] | None] | None = None,
 ) -> None:
-    """Wait for ``servers`` (all of ``model``), run the rounds, stop them. ``prepare``, if
-    given, is called on a server before each of its client runs (the warm-up's too), outside
-    what the run
-    measures (its CPU seconds, counters and py-spy samples); what it returns joins the run's
-    record. The model's result
-    joins ``results``, written to ``args.out`` after every client run (a run cut short keeps
-    what it measured). Reads from ``args``: ``start_timeout``, ``repeats``, ``rates``,
-    ``out``, ``py_spy``, ``py_spy_round``, ``py_spy_rate``, ``py_spy_args``,
-    ``time_limit_s`` (0: none; a round that would not fit is not started, and the result
-    says so under ``"stopped"``). Raises
-    ``TimeoutError`` when a server is not up in time and ``RuntimeError`` when one exits
-    (its servers are stopped either way)."""
+    """Wait for ``servers`` (all of ``model``), warm them up, run the rounds, stop them.
+    ``prepare``, if given, is called on a server before each of its client runs (the
+    warm-up's too), outside what the run measures (its CPU seconds, counters and py-spy
+    samples); what it returns joins the run's record. The model's result joins ``results``,
+    written to ``args.out`` after every client run (a run cut short keeps what it
+    measured). Reads from ``args``: ``start_timeout``, ``warmup_prompts``, ``repeats``,
+    ``rates``, ``num_prompts``, ``num_prompts_rate``, ``out``, ``py_spy``, ``py_spy_round``,
+    ``py_spy_rate``, ``py_spy_args``, ``time_limit_s`` (0: none; a round that would not fit
+    is not started, and the result says so under ``"stopped"``). Raises ``TimeoutError``
+    when a server is not up in time and ``RuntimeError`` when one exits (its servers are
+    stopped either way)."""
     name = Path(model).name
     sampler = MemorySampler({s.proc.pid: s.mode for s in servers})
     runs: list[dict[str, Any]] = []
@@ -254,10 +253,11 @@ def _out_of_time(args: Any, r: int, round_s: list[float]) -> str | None:
 def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per model and rate: each mode's median of each metric over the rounds and its ratio to
     ``off`` (upstream as users run it); ``first_*``: the first round alone; ``later_*``: the
-    median over the rounds after it. Without ``--flush-cache`` an elastic pool starts its
-    first round empty and maps what the load asks for while it serves, and is already
-    mapped in the later ones: the two answer different questions (the first fill's cost,
-    and serving once the memory is there), so both are kept apart from the overall median."""
+    median over the rounds after it. Without a warm-up (``--warmup-prompts 0``) or one
+    smaller than the pool, and without ``--flush-cache``, an elastic pool starts its first
+    round (partly) empty and maps what the load asks for while it serves, and is already
+    mapped in the later ones: the two answer different questions (the first fill's cost, and
+    serving once the memory is there), so both are kept apart from the overall median."""
     rows = []
     for res in results:
         for rate in dict.fromkeys(r["rate"] for r in res["runs"]):
